@@ -1,0 +1,104 @@
+"""Side-by-side cache benchmark: streaming perplexity, bytes held, ratio and speed, in one process."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import Cache
+
+from hf_kvcache.registry import build_cache, cache_names
+
+from .assets import load_model, load_text, load_tokens
+from .perplexity import streaming_perplexity
+
+
+@dataclass
+class CacheSpec:
+    """A cache to benchmark: a registered name (or "dynamic") plus options, with a label for tables."""
+
+    name: str
+    options: dict = field(default_factory=dict)
+    label: str = ""
+
+    @classmethod
+    def parse(cls, text: str) -> "CacheSpec":
+        """`name` or `name:{json options}` or `label=name:{json}`."""
+        label = ""
+        if "=" in text.split(":", 1)[0]:
+            label, text = text.split("=", 1)
+        name, _, opts = text.partition(":")
+        options = json.loads(opts) if opts else {}
+        if not isinstance(options, dict):
+            raise ValueError(f"options of {name!r} must be a JSON object, got {opts!r}")
+        return cls(name, options, label or (name if not options else f"{name} {json.dumps(options)}"))
+
+    def build(self, model) -> Cache:
+        if self.name == "dynamic":
+            if self.options:
+                raise ValueError("the dynamic cache takes no options")
+            return DynamicCache(config=model.config)
+        return build_cache(self.name, model.config, **self.options)
+
+
+def available_caches() -> list[str]:
+    return ["dynamic"] + cache_names()
+
+
+@torch.inference_mode()
+def decode_tokens_per_s(model, cache: Cache, next_ids: torch.Tensor) -> float:
+    """Tokens/s of single-token decoding steps on a filled cache (adds `next_ids` to it)."""
+    t0 = time.perf_counter()
+    for i in range(next_ids.shape[1]):
+        model(input_ids=next_ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+    return next_ids.shape[1] / (time.perf_counter() - t0)
+
+
+def run_benchmark(
+    specs: list[CacheSpec],
+    model_name: str = "smollm2-135m",
+    text: str = "moby-dick",
+    start: int = 5000,
+    tokens: int = 2048,
+    chunk: int = 32,
+    decode_steps: int = 16,
+    progress: bool = True,
+) -> list[dict]:
+    """One row per spec; the first spec is the baseline for `delta_pct`."""
+    torch.manual_seed(0)
+    model, tokenizer = load_model(model_name)
+    ids = load_tokens(tokenizer, load_text(text), start, tokens + decode_steps)
+    stream, extra = ids[:, :tokens], ids[:, tokens:]
+    rows = []
+    for spec in specs:
+        cache = spec.build(model)
+        r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
+        row = {"cache": spec.label, **r.to_dict()}
+        if decode_steps:
+            row["decode_tokens_per_s"] = decode_tokens_per_s(model, cache, extra)
+        rows.append(row)
+    base = rows[0]["perplexity"]
+    for row in rows:
+        row["delta_pct"] = 100.0 * (row["perplexity"] / base - 1.0)
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    cols = [
+        ("cache", "{}", "cache"),
+        ("perplexity", "{:.3f}", "ppl"),
+        ("delta_pct", "{:+.2f}%", "delta"),
+        ("bytes", "{:,}", "bytes held"),
+        ("ratio", "{:.2f}x", "vs fp16"),
+        ("tokens_per_s", "{:.0f}", "stream tok/s"),
+        ("decode_tokens_per_s", "{:.1f}", "decode tok/s"),
+    ]
+    cols = [c for c in cols if all(c[0] in r for r in rows)]
+    cells = [[h for _, _, h in cols]] + [[fmt.format(r[k]) for k, fmt, _ in cols] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,131 @@
+"""`hf-kvcache` command: demo, ppl, bench, caches."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+DEMO_PROMPT_TOPIC = "assert"
+
+
+def _cmd_caches(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.bench import available_caches
+
+    print("\n".join(available_caches()))
+    return 0
+
+
+def _cmd_ppl(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+
+    options = json.loads(args.cache_config) if args.cache_config else {}
+    spec = CacheSpec(args.cache, options, args.cache)
+    rows = run_benchmark([spec], args.model, args.text, args.start, args.tokens, args.chunk, decode_steps=0)
+    print(json.dumps(rows[0], indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+
+    specs = [CacheSpec.parse(s) for s in args.caches]
+    rows = run_benchmark(specs, args.model, args.text, args.start, args.tokens, args.chunk, args.decode_steps)
+    print(
+        f"model={args.model} text={args.text} tokens={args.start}:{args.start + args.tokens} chunk={args.chunk} "
+        f"(delta vs {specs[0].label})"
+    )
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    """Generate from a real prompt with each cache, then the side-by-side table on real text."""
+    import torch
+    from pydoc_data.topics import topics
+
+    from hf_kvcache.eval import load_model
+    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+
+    torch.manual_seed(0)
+    model, tokenizer = load_model(args.model)
+    doc = " ".join(topics[DEMO_PROMPT_TOPIC].split()[:120])
+    messages = [{"role": "user", "content": f"{doc}\n\nIn one sentence, what does the assert statement do?"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    names = ["dynamic"] + args.caches
+    print(f"prompt: Python docs topic '{DEMO_PROMPT_TOPIC}' ({prompt['input_ids'].shape[1]} tokens) + a question\n")
+    reference = None
+    for name in names:
+        kwargs = {} if name == "dynamic" else {"cache_implementation": name}
+        t0 = time.perf_counter()
+        out = model.generate(**prompt, max_new_tokens=args.new_tokens, do_sample=False, **kwargs)
+        dt = time.perf_counter() - t0
+        new = out[0, prompt["input_ids"].shape[1] :]
+        text = tokenizer.decode(new, skip_special_tokens=True).strip().replace("\n", " ")
+        same = "" if reference is None else (" (same tokens as dynamic)" if torch.equal(new, reference) else "")
+        reference = new if reference is None else reference
+        print(f"[{name}] {len(new) / dt:.1f} tok/s{same}: {text}")
+    print()
+    rows = run_benchmark([CacheSpec(n, {}, n) for n in names], args.model, args.text, args.start, args.tokens, args.chunk)
+    print(f"streaming perplexity: {args.text} tokens {args.start}:{args.start + args.tokens}, chunk {args.chunk}")
+    print(format_table(rows))
+    return 0
+
+
+def _add_text_args(p: argparse.ArgumentParser, tokens: int) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a local folder or a hub id")
+    p.add_argument("--text", default="moby-dick", help="moby-dick, pydoc, a file, or path:config:split")
+    p.add_argument("--start", type=int, default=5000, help="first token of the scored window")
+    p.add_argument("--tokens", type=int, default=tokens, help="tokens scored")
+    p.add_argument("--chunk", type=int, default=32, help="tokens per forward (1 = token-by-token decoding)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-kvcache", description="Small KV caches for transformers models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("demo", help="generate with every cache and print bytes / ratio / perplexity / speed")
+    _add_text_args(p, tokens=512)
+    p.add_argument("--caches", nargs="+", default=["int8", "int4", "fp8"])
+    p.add_argument("--new-tokens", type=int, default=40)
+    p.set_defaults(func=_cmd_demo)
+
+    p = sub.add_parser("ppl", help="streaming perplexity of one cache")
+    _add_text_args(p, tokens=2048)
+    p.add_argument("--cache", default="dynamic")
+    p.add_argument("--cache-config", default=None, help='JSON options, e.g. \'{"dtype": "int4"}\'')
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_cmd_ppl)
+
+    p = sub.add_parser("bench", help="several caches side by side (first one is the baseline)")
+    _add_text_args(p, tokens=2048)
+    p.add_argument("--caches", nargs="+", default=["dynamic", "int8", "int4", "fp8"],
+                   help='specs: name, name:{json}, or label=name:{json}')
+    p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed after the stream")
+    p.add_argument("--json", default=None, help="also write the rows to this file")
+    p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("caches", help="list cache names")
+    p.set_defaults(func=_cmd_caches)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    import hf_kvcache  # noqa: F401  (registers the cache names)
+
+    try:
+        return args.func(args)
+    except (ValueError, RuntimeError) as exc:
+        if type(exc).__name__ in ("AssetError", "ValueError"):
+            print(f"hf-kvcache: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

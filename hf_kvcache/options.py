@@ -1,0 +1,53 @@
+"""Base class of the self-validating, JSON-serializable option dataclasses every cache takes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, TypeVar
+
+T = TypeVar("T", bound="CacheOptions")
+
+
+@dataclasses.dataclass
+class CacheOptions:
+    """Subclasses add fields and override `validate`; unknown keys are rejected with the valid ones listed."""
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:  # pragma: no cover - overridden
+        pass
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls: type[T], options: dict[str, Any]) -> T:
+        unknown = sorted(set(options) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown option(s) {unknown} for {cls.__name__}; valid options: {cls.field_names()}")
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_json(cls: type[T], text: str) -> T:
+        return cls.from_dict(json.loads(text))
+
+
+def check_choice(name: str, value: Any, choices: tuple) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
+
+
+def check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")

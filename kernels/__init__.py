@@ -1,0 +1,1 @@
+"""Triton kernels, each beside the torch reference it must match (installed as `hf_kvcache.kernels`)."""
