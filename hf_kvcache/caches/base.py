@@ -1,5 +1,9 @@
 """`CompressedLayer` (one model layer's compressed storage) and `CompressedCache` (the thin container).
 
+Attention hook: `update` tags the key tensor it returns with `LAYER_ATTR` (the layer itself), so the registered
+`"hf_kvcache"` attention function can find the layer, read its compressed storage directly, and, when the layer sets
+`wants_attention_mass`, report the attention each held token received through `observe_attention`.
+
 A layer keeps everything it stores in `self.store`, a dict of tensors laid out `[batch, kv_heads, tokens, ...]`.
 Because every stored tensor has the batch on dim 0 and the tokens on dim 2, beam reordering, batch selection,
 repetition and cropping are implemented once here. A layer whose storage is not token-aligned overrides them.
@@ -18,6 +22,12 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..options import CacheOptions
 
 FP16_BYTES = 2
+LAYER_ATTR = "_hf_kvcache_layer"
+
+
+def layer_of(keys: torch.Tensor) -> "CompressedLayer | None":
+    """The hf-kvcache layer that returned `keys` from `update`, if any."""
+    return getattr(keys, LAYER_ATTR, None)
 
 
 class CompressedLayer(DynamicLayer):
@@ -30,6 +40,7 @@ class CompressedLayer(DynamicLayer):
     is_compileable = False
     is_sliding = False
     is_croppable = True
+    wants_attention_mass = False  # set by policies (H2O, CPAC) that rank tokens by the attention they receive
 
     def __init__(self, options: CacheOptions | None = None) -> None:
         super().__init__()
@@ -43,6 +54,10 @@ class CompressedLayer(DynamicLayer):
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
+
+    def observe_attention(self, mass: torch.Tensor) -> None:
+        """Attention mass `[batch, kv_heads, tokens]` received by the keys of the last `update` (held tokens first,
+        then the new ones), summed over the query heads of each KV group and over the query positions."""
 
     # ---- transformers' layer contract ---------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -66,6 +81,7 @@ class CompressedLayer(DynamicLayer):
             keys, values = key_states, value_states
         self.cumulative_length += key_states.shape[-2]
         self.append(key_states, value_states)
+        setattr(keys, LAYER_ATTR, self)
         return keys, values
 
     def get_seq_length(self) -> int:
