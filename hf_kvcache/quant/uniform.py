@@ -40,10 +40,13 @@ class QuantizedTensor:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
 
 
-def _scale_fp16(scale: torch.Tensor) -> torch.Tensor:
+def scale_to_fp16(scale: torch.Tensor) -> torch.Tensor:
     """fp16 scale never below the fp32 one, so the largest value of a group is never clipped."""
     s16 = scale.clamp_min(_TINY).to(_SCALE_DTYPE)
     return torch.where(s16.float() < scale, torch.nextafter(s16, torch.full_like(s16, float("inf"))), s16)
+
+
+_scale_fp16 = scale_to_fp16  # older private name, still imported by quant.kivi
 
 
 def _grouped(x: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -64,20 +67,20 @@ def quantize(
     g = _grouped(x.float(), group_size)
     if fmt in FP8_DTYPES:
         fp8 = FP8_DTYPES[fmt]
-        scale = _scale_fp16(g.abs().amax(-1) / torch.finfo(fp8).max)
+        scale = scale_to_fp16(g.abs().amax(-1) / torch.finfo(fp8).max)
         codes = (g / scale.float().unsqueeze(-1)).to(fp8).reshape(x.shape)
         return QuantizedTensor(codes, scale, None, fmt, 8, group_size, n)
     if fmt != "int":
         raise ValueError(f"unknown format {fmt!r}; choose 'int' or one of {sorted(FP8_DTYPES)}")
     if symmetric:
         qmax = 2 ** (bits - 1) - 1
-        scale = _scale_fp16(g.abs().amax(-1) / qmax)
+        scale = scale_to_fp16(g.abs().amax(-1) / qmax)
         q = torch.round(g / scale.float().unsqueeze(-1)).clamp(-qmax, qmax) + qmax
         zero = None
     else:
         qmax = 2**bits - 1
         lo, hi = g.amin(-1), g.amax(-1)
-        scale = _scale_fp16((hi - lo) / qmax)
+        scale = scale_to_fp16((hi - lo) / qmax)
         zero = lo.to(_SCALE_DTYPE)
         q = torch.round((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp(0, qmax)
     codes = pack_bits(q.to(torch.uint8).reshape(x.shape), bits)

@@ -1,0 +1,191 @@
+"""Decode attention straight from compressed segments: queries of the last step(s) attend over
+[quantized segments | full-precision segments] without expanding the cache to full precision.
+
+Each segment yields an online-softmax partial (row max `m`, row sum `l`, unnormalized output `acc`); partials are merged
+with log-sum-exp, so every byte of the cache is read once. GQA: the query heads of one KV head (times the query
+positions) form the rows of one tile, so KV is never repeated. On CUDA quantized segments run in a Triton kernel
+(split along tokens, flash-decoding style); elsewhere a blockwise torch path dequantizes `block` tokens at a time,
+so its extra memory is O(block), not O(cached tokens). `reference_attention` is the dequantize-then-SDPA reference
+both are tested against.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .segments import FullSegment, QuantSegment, Segment
+
+NEG_INF = float("-inf")
+
+
+# ---- shapes and masks -------------------------------------------------------------------------------------------------
+def group_queries(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, Hq, L, D] -> [B, Hkv, group * L, D] (rows of one KV head: its query heads, then positions)."""
+    b, hq, l, d = query.shape
+    if hq % kv_heads:
+        raise ValueError(f"{hq} query heads cannot share {kv_heads} KV heads")
+    return query.reshape(b, kv_heads, (hq // kv_heads) * l, d)
+
+
+def ungroup_rows(x: torch.Tensor, q_heads: int, q_len: int) -> torch.Tensor:
+    b, hkv, _, d = x.shape
+    return x.reshape(b, q_heads, q_len, d)
+
+
+def _column_mask(mask: torch.Tensor | None, start: int, stop: int, q_len: int, total: int, causal_tail: bool):
+    """Boolean [B|1, 1, L, stop-start] for key columns [start, stop), or None when nothing is masked."""
+    if mask is not None:
+        m = mask[..., start:stop]
+        return m if m.dtype == torch.bool else m > NEG_INF
+    if not causal_tail or q_len == 1:
+        return None
+    # query i sits at position total - q_len + i and sees keys up to it
+    cols = torch.arange(start, stop).view(1, -1)
+    rows = torch.arange(total - q_len, total).view(-1, 1)
+    return (cols <= rows).view(1, 1, q_len, stop - start)
+
+
+def _rows_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """[B|1, 1, L, T] -> [B|1, 1, group*L, T] matching the grouped query rows."""
+    if mask is None:
+        return None
+    return mask.repeat(1, 1, group, 1)
+
+
+# ---- partials ---------------------------------------------------------------------------------------------------------
+def _update(state, scores: torch.Tensor, values: torch.Tensor):
+    """One online-softmax step. scores [B,H,M,t] (masked = -inf), values [B,H,t,D]."""
+    m, l, acc = state
+    m_new = torch.maximum(m, scores.amax(-1))
+    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
+    alpha = torch.exp(m - m_safe)
+    p = torch.exp(scores - m_safe.unsqueeze(-1))
+    return m_new, l * alpha + p.sum(-1), acc * alpha.unsqueeze(-1) + p @ values
+
+
+def _empty_state(q: torch.Tensor):
+    b, h, m, d = q.shape
+    return (q.new_full((b, h, m), NEG_INF), q.new_zeros((b, h, m)), q.new_zeros((b, h, m, d)))
+
+
+def _masked_scores(q, k, row_mask):
+    s = q @ k.transpose(-1, -2)
+    return s if row_mask is None else s.masked_fill(~row_mask, NEG_INF)
+
+
+def _full_partial(q, seg: FullSegment, row_mask):
+    return _update(_empty_state(q), _masked_scores(q, seg.keys.float(), row_mask), seg.values.float())
+
+
+def _quant_partial_torch(q, seg: QuantSegment, key_valid, block: int):
+    state = _empty_state(q)
+    step = max(seg.k_group, block - block % seg.k_group)
+    for start in range(0, seg.tokens, step):
+        stop = min(start + step, seg.tokens)
+        k, v = seg.slice(start, stop).dequantize()
+        rm = None if key_valid is None else key_valid[:, None, None, start:stop]
+        state = _update(state, _masked_scores(q, k, rm), v)
+    return state
+
+
+def _merge(partials):
+    m = torch.stack([p[0] for p in partials]).amax(0)
+    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    l = sum(p[1] * torch.exp(p[0] - m_safe) for p in partials)
+    acc = sum(p[2] * torch.exp(p[0] - m_safe).unsqueeze(-1) for p in partials)
+    return acc / l.clamp_min(1e-30).unsqueeze(-1), m_safe + torch.log(l.clamp_min(1e-30))
+
+
+# ---- entry point ------------------------------------------------------------------------------------------------------
+def decode_attention(
+    query: torch.Tensor,
+    segments: list[Segment],
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    return_mass: bool = False,
+    block: int = 256,
+    use_triton: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Attention of `query` [B, Hq, L, D] over `segments` (in key order).
+
+    `attention_mask`: None (causal among the last L keys) or [B|1, 1, L, T_total] boolean (True = attend) / additive.
+    Quantized segments must precede the queries (they hold past tokens); full segments may hold the new ones.
+    Returns (output [B, Hq, L, D] in the query dtype, mass [B, Hkv, T_total] or None): mass is the attention
+    probability each key received, summed over the query heads of its KV group and the query positions.
+    """
+    b, hq, q_len, d = query.shape
+    kv_heads = (segments[0].keys if isinstance(segments[0], FullSegment) else segments[0].k_codes).shape[1]
+    group = hq // kv_heads
+    scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
+    q = group_queries(query.float() * scaling, kv_heads)
+    total = sum(s.tokens for s in segments)
+    if use_triton is None:
+        use_triton = query.is_cuda
+    partials, spans, start = [], [], 0
+    for seg in segments:
+        stop = start + seg.tokens
+        cmask = _column_mask(attention_mask, start, stop, q_len, total, causal_tail=isinstance(seg, FullSegment))
+        if isinstance(seg, QuantSegment):
+            seg.check()
+            key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
+            if use_triton:
+                from .triton_decode import quant_partial_triton
+
+                partials.append(quant_partial_triton(q, seg, key_valid))
+            else:
+                partials.append(_quant_partial_torch(q, seg, key_valid, block))
+            spans.append((seg, start, stop, key_valid))
+        else:
+            rm = _rows_mask(cmask, group)
+            partials.append(_full_partial(q, seg, rm))
+            spans.append((seg, start, stop, rm))
+        start = stop
+    out, lse = _merge(partials)
+    mass = _mass(q, spans, lse, block, use_triton, q_len) if return_mass else None
+    return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _mass(q, spans, lse, block, use_triton, q_len):
+    """Attention probability per key (second, read-only pass with the final log-sum-exp)."""
+    pieces = []
+    for seg, start, stop, m in spans:
+        if isinstance(seg, FullSegment):
+            p = torch.exp(_masked_scores(q, seg.keys.float(), m) - lse.unsqueeze(-1))
+            pieces.append(p.sum(2))
+        elif use_triton:
+            from .triton_decode import quant_mass_triton
+
+            pieces.append(quant_mass_triton(q, seg, m, lse))
+        else:
+            step = max(seg.k_group, block - block % seg.k_group)
+            cols = []
+            for s0 in range(0, seg.tokens, step):
+                s1 = min(s0 + step, seg.tokens)
+                k, _ = seg.slice(s0, s1).dequantize()
+                rm = None if m is None else m[:, None, None, s0:s1]
+                cols.append(torch.exp(_masked_scores(q, k, rm) - lse.unsqueeze(-1)).sum(2))
+            pieces.append(torch.cat(cols, -1))
+    return torch.cat(pieces, -1)
+
+
+def reference_attention(query, segments, attention_mask=None, scaling=None):
+    """Dequantize everything, repeat KV heads, plain softmax attention: what the fused paths must match."""
+    keys, values = [], []
+    for seg in segments:
+        k, v = (seg.keys.float(), seg.values.float()) if isinstance(seg, FullSegment) else seg.dequantize()
+        keys.append(k)
+        values.append(v)
+    k, v = torch.cat(keys, 2), torch.cat(values, 2)
+    b, hq, q_len, d = query.shape
+    group = hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
+    s = (query.float() * scaling) @ k.transpose(-1, -2)
+    mask = _column_mask(attention_mask, 0, k.shape[2], q_len, k.shape[2], causal_tail=True)
+    if mask is not None:
+        s = s.masked_fill(~mask, NEG_INF)
+    p = torch.softmax(s, -1)
+    mass = p.reshape(b, hq // group, group, q_len, -1).sum((2, 3))
+    return (p @ v).to(query.dtype), mass

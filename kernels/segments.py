@@ -1,0 +1,78 @@
+"""What a compressed layer hands the fused attention: its held tokens as an ordered list of segments.
+
+A `QuantSegment` holds KIVI-style codes (keys per channel in groups of `k_group` tokens, values per token in groups of
+`v_group` channels, asymmetric: x = code * scale + zero). Codes of one token are packed along the channel dim as a
+little-endian bit stream (`hf_kvcache.quant.packing.pack_bits` layout, for every width 1..8): code `d` sits at bit
+`bits * d`. A `FullSegment` holds plain keys/values. Both are `[batch, kv_heads, tokens, ...]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_kvcache.quant.packing import unpack_bits
+
+
+@dataclass
+class QuantSegment:
+    k_codes: torch.Tensor  # [B, H, T, packed(D, k_bits)] uint8
+    k_scale: torch.Tensor  # [B, H, T // k_group, D] fp16
+    k_zero: torch.Tensor  # [B, H, T // k_group, D] fp16
+    v_codes: torch.Tensor  # [B, H, T, packed(D, v_bits)] uint8
+    v_scale: torch.Tensor  # [B, H, T, D // v_group] fp16
+    v_zero: torch.Tensor  # [B, H, T, D // v_group] fp16
+    k_bits: int
+    v_bits: int
+    k_group: int  # tokens per key scale
+    v_group: int  # channels per value scale
+    head_dim: int
+
+    @property
+    def tokens(self) -> int:
+        return self.k_codes.shape[2]
+
+    def check(self) -> None:
+        b, h, t, _ = self.k_codes.shape
+        if t % self.k_group:
+            raise ValueError(f"a quantized segment holds whole key groups: {t} tokens, k_group={self.k_group}")
+        if self.k_scale.shape[2] != t // self.k_group or self.v_scale.shape[2] != t:
+            raise ValueError("scale shapes do not match the codes")
+
+    def slice(self, start: int, stop: int) -> "QuantSegment":
+        """Tokens [start, stop); both multiples of `k_group` (or stop == tokens)."""
+        g = self.k_group
+        return QuantSegment(
+            self.k_codes[:, :, start:stop], self.k_scale[:, :, start // g : -(-stop // g)],
+            self.k_zero[:, :, start // g : -(-stop // g)], self.v_codes[:, :, start:stop],
+            self.v_scale[:, :, start:stop], self.v_zero[:, :, start:stop], self.k_bits, self.v_bits, g,
+            self.v_group, self.head_dim,
+        )
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reference expansion of the whole segment to `[B, H, T, D]` keys and values."""
+        d, t = self.head_dim, self.tokens
+        kc = unpack_bits(self.k_codes, self.k_bits, d).float()
+        ks = self.k_scale.float().repeat_interleave(self.k_group, dim=2)[:, :, :t]
+        kz = self.k_zero.float().repeat_interleave(self.k_group, dim=2)[:, :, :t]
+        vc = unpack_bits(self.v_codes, self.v_bits, d).float()
+        vs = self.v_scale.float().repeat_interleave(self.v_group, dim=3)
+        vz = self.v_zero.float().repeat_interleave(self.v_group, dim=3)
+        return (kc * ks + kz).to(dtype), (vc * vs + vz).to(dtype)
+
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero))
+
+
+@dataclass
+class FullSegment:
+    keys: torch.Tensor  # [B, H, T, D]
+    values: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.shape[2]
+
+
+Segment = QuantSegment | FullSegment

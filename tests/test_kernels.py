@@ -1,0 +1,100 @@
+"""Triton kernels under the interpreter against their torch references, and compiled for Hopper in a subprocess."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_kvcache.kernels.decode_attention import decode_attention, reference_attention
+from hf_kvcache.kernels.kivi_pack import (
+    kivi_keys_reference,
+    kivi_keys_triton,
+    kivi_values_reference,
+    kivi_values_triton,
+)
+from hf_kvcache.kernels.segments import FullSegment, QuantSegment
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET before triton loads"
+
+
+def quant_segment(b, h, t, d, k_bits, v_bits, k_group=32, v_group=32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(b, h, t, d, generator=g) * 2, torch.randn(b, h, t, d, generator=g)
+    kc, ks, kz = kivi_keys_reference(k, k_bits, k_group)
+    vc, vs, vz = kivi_values_reference(v, v_bits, v_group)
+    return QuantSegment(kc, ks, kz, vc, vs, vz, k_bits, v_bits, k_group, v_group, d)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pack_kernels_bit_identical(bits, dtype):
+    g = torch.Generator().manual_seed(bits)
+    k = (torch.randn(2, 3, 64, 64, generator=g) * 3).to(dtype)
+    v = torch.randn(3, 1, 13, 64, generator=g).to(dtype)  # 39 rows: not a multiple of the row block
+    for ref, tri in ((kivi_keys_reference(k, bits, 32), kivi_keys_triton(k, bits, 32)),
+                     (kivi_values_reference(v, bits, 16), kivi_values_triton(v, bits, 16))):
+        for a, b in zip(ref, tri):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_pack_kernels_reject_bad_shapes():
+    with pytest.raises(ValueError, match="multiple of group"):
+        kivi_keys_triton(torch.randn(1, 1, 40, 64), 2, 32)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        kivi_values_triton(torch.randn(1, 1, 4, 64), 5, 32)
+
+
+def left_padded_mask(b, q_len, total, pads):
+    cols, rows = torch.arange(total), torch.arange(total - q_len, total)
+    mask = (cols[None, :] <= rows[:, None]).expand(b, 1, q_len, total).clone()
+    for i, p in enumerate(pads):
+        mask[i, :, :, :p] = False
+    return mask
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize(
+    "batch,kv_heads,group,q_len,pads",
+    [(1, 3, 3, 1, None), (3, 2, 7, 2, (0, 5, 40)), (3, 1, 1, 16, (3, 0, 9)), (2, 3, 3, 5, None)],
+)
+def test_decode_attention_matches_reference(use_triton, batch, kv_heads, group, q_len, pads):
+    d = 64
+    g = torch.Generator().manual_seed(7)
+    segments = [
+        quant_segment(batch, kv_heads, 96, d, 2, 2, seed=1),  # archive: 2-bit
+        quant_segment(batch, kv_heads, 64, d, 4, 4, seed=2),  # warm: 4-bit
+        FullSegment(torch.randn(batch, kv_heads, 9, d, generator=g), torch.randn(batch, kv_heads, 9, d, generator=g)),
+        FullSegment(torch.randn(batch, kv_heads, q_len, d, generator=g),
+                    torch.randn(batch, kv_heads, q_len, d, generator=g)),
+    ]
+    total = sum(s.tokens for s in segments)
+    mask = None if pads is None else left_padded_mask(batch, q_len, total, pads)
+    q = torch.randn(batch, kv_heads * group, q_len, d, generator=g)
+    ref_out, ref_mass = reference_attention(q, segments, mask)
+    out, mass = decode_attention(q, segments, mask, return_mass=True, use_triton=use_triton, block=64)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
+    assert mass.shape == (batch, kv_heads, total)
+    if pads is not None:
+        assert all(float(mass[i, :, :p].abs().sum()) == 0 for i, p in enumerate(pads))
+
+
+def test_decode_attention_odd_lengths_and_3bit():
+    seg = quant_segment(2, 1, 32 * 3, 64, 3, 3, k_group=32, v_group=64)
+    q = torch.randn(2, 5, 1, 64)
+    ref, _ = reference_attention(q, [seg])
+    for use_triton in (False, True):
+        out, _ = decode_attention(q, [seg], use_triton=use_triton, block=64)
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_kernels_compile_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "hf_kvcache.kernels.compile_check", "--quick"],
+        env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiled 8 kernel variants for sm_90" in proc.stdout
