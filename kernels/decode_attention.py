@@ -105,7 +105,7 @@ def decode_attention(
     attention_mask: torch.Tensor | None = None,
     scaling: float | None = None,
     return_mass: bool = False,
-    block: int = 256,
+    block: int = 1024,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` [B, Hq, L, D] over `segments` (in key order).

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_kvcache.quant.packing import unpack_bits
+from hf_kvcache.quant.kivi import unpack_float
 
 
 @dataclass
@@ -52,14 +52,12 @@ class QuantSegment:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """Reference expansion of the whole segment to `[B, H, T, D]` keys and values."""
-        d, t = self.head_dim, self.tokens
-        kc = unpack_bits(self.k_codes, self.k_bits, d).float()
-        ks = self.k_scale.float().repeat_interleave(self.k_group, dim=2)[:, :, :t]
-        kz = self.k_zero.float().repeat_interleave(self.k_group, dim=2)[:, :, :t]
-        vc = unpack_bits(self.v_codes, self.v_bits, d).float()
-        vs = self.v_scale.float().repeat_interleave(self.v_group, dim=3)
-        vz = self.v_zero.float().repeat_interleave(self.v_group, dim=3)
-        return (kc * ks + kz).to(dtype), (vc * vs + vz).to(dtype)
+        b, h, t, d = *self.k_codes.shape[:3], self.head_dim
+        kc = unpack_float(self.k_codes, self.k_bits, d).view(b, h, t // self.k_group, self.k_group, d)
+        k = torch.addcmul(self.k_zero.float().unsqueeze(3), kc, self.k_scale.float().unsqueeze(3))
+        vc = unpack_float(self.v_codes, self.v_bits, d).view(b, h, t, d // self.v_group, self.v_group)
+        v = torch.addcmul(self.v_zero.float().unsqueeze(4), vc, self.v_scale.float().unsqueeze(4))
+        return k.view(b, h, t, d).to(dtype), v.view(b, h, t, d).to(dtype)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero))
