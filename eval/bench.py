@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from hf_kvcache.attention import use_for_cache
 from hf_kvcache.registry import build_cache, cache_names
 
 from .assets import load_model, load_text, load_tokens
@@ -41,11 +42,28 @@ class CacheSpec:
             if self.options:
                 raise ValueError("the dynamic cache takes no options")
             return DynamicCache(config=model.config)
+        if self.name in PEER_CACHES:
+            return build_peer_cache(self.name, model.config, **self.options)
         return build_cache(self.name, model.config, **self.options)
 
 
+# transformers' own QuantizedCache, as a peer to compare with: name -> backend
+PEER_CACHES = {"hf-quanto": "quanto", "hf-hqq": "hqq"}
+PEER_OPTIONS = ("nbits", "q_group_size", "residual_length", "axis_key", "axis_value")
+
+
+def build_peer_cache(name: str, config, **options) -> Cache:
+    """`transformers.QuantizedCache(backend=...)` (needs `pip install optimum-quanto` / `pip install hqq`)."""
+    from transformers import QuantizedCache
+
+    unknown = sorted(set(options) - set(PEER_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} for {name}; valid options: {list(PEER_OPTIONS)}")
+    return QuantizedCache(backend=PEER_CACHES[name], config=config, **options)
+
+
 def available_caches() -> list[str]:
-    return ["dynamic"] + cache_names()
+    return ["dynamic"] + cache_names() + list(PEER_CACHES)
 
 
 @torch.inference_mode()
@@ -75,6 +93,7 @@ def run_benchmark(
     rows = []
     for spec in specs:
         cache = spec.build(model)
+        use_for_cache(model, cache)  # caches that rank tokens by attention need the hf_kvcache attention
         r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
         row = {"cache": spec.label, **r.to_dict()}
         if decode_steps:

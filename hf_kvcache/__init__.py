@@ -3,8 +3,19 @@
 Importing this package registers the cache names below with `model.generate(cache_implementation=...)`.
 """
 
-from .caches import CompressedCache, CompressedLayer, UniformQuantCache, memory_stats
+from .caches import (
+    CPACCache,
+    CompressedCache,
+    CompressedLayer,
+    H2OCache,
+    KIVICache,
+    TieredQuantCache,
+    UniformQuantCache,
+    memory_stats,
+)
 from .registry import build_cache, cache_names, fixed, install, register_cache
+from .attention import register as _register_attention
+from .fused import register as _register_fused_kernel
 
 __version__ = "0.1.0"
 
@@ -12,12 +23,22 @@ register_cache("int8", fixed(UniformQuantCache, dtype="int8"))
 register_cache("int4", fixed(UniformQuantCache, dtype="int4"))
 register_cache("fp8", fixed(UniformQuantCache, dtype="fp8_e4m3"))
 register_cache("uniform", UniformQuantCache)
+register_cache("tiered", TieredQuantCache)
+register_cache("kivi", KIVICache)
+register_cache("cpac", CPACCache)
+register_cache("h2o", H2OCache)
+_register_attention()  # attn_implementation="hf_kvcache"
+_register_fused_kernel()  # ... which reads compressed segments directly where a layer exposes them
 install()
 
 __all__ = [
+    "CPACCache",
     "CompressedCache",
     "CompressedLayer",
+    "H2OCache",
     "UniformQuantCache",
+    "TieredQuantCache",
+    "KIVICache",
     "memory_stats",
     "build_cache",
     "cache_names",

@@ -43,6 +43,35 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_passkey(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.bench import CacheSpec
+    from hf_kvcache.eval.passkey import dump_trials, format_passkey_table, make_trials, run_passkey
+
+    depths = tuple(args.depths)
+    if args.dump_trials:
+        from hf_kvcache.eval import load_model, load_text
+
+        _, tokenizer = load_model(args.model)
+        trials = make_trials(tokenizer, load_text(args.text), args.context, depths, args.trials, args.seed)
+        dump_trials(args.dump_trials, trials)
+        print(f"wrote {len(trials)} trials to {args.dump_trials}")
+        return 0
+    specs = [CacheSpec.parse(s) for s in args.caches]
+    rows = run_passkey(
+        specs, args.model, args.text, args.context, depths, args.trials, args.seed, args.new_tokens, args.chunk
+    )
+    print(
+        f"passkey: model={args.model} text={args.text} context={args.context} tokens, {args.trials} trials per depth, "
+        f"seed={args.seed}, context prefilled {'in one forward' if args.chunk <= 0 else f'in chunks of {args.chunk}'} "
+        "before the question"
+    )
+    print(format_passkey_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Generate from a real prompt with each cache, then the side-by-side table on real text."""
     import torch
@@ -108,6 +137,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed after the stream")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.set_defaults(func=_cmd_bench)
+
+    p = sub.add_parser("passkey", help="passkey retrieval accuracy per depth (real filler text), per cache")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a local folder or a hub id")
+    p.add_argument("--text", default="moby-dick", help="filler text: moby-dick, pydoc, a file, or path:config:split")
+    p.add_argument("--caches", nargs="+", default=["dynamic", 'h2o:{"budget":0.2}'],
+                   help='specs: name, name:{json}, or label=name:{json}')
+    p.add_argument("--context", type=int, default=1024, help="tokens of instruction + filler + key")
+    p.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--trials", type=int, default=20, help="trials per depth")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
+    p.add_argument("--chunk", type=int, default=0, help="prefill the context in chunks of this many tokens (0: one)")
+    p.add_argument("--json", default=None, help="also write the rows (with every answer) to this file")
+    p.add_argument("--dump-trials", default=None, help="only write the trials (token ids) to this JSON file")
+    p.set_defaults(func=_cmd_passkey)
 
     p = sub.add_parser("caches", help="list cache names")
     p.set_defaults(func=_cmd_caches)

@@ -60,6 +60,15 @@ def _extend_valid_names() -> None:
     gen_config.ALL_CACHE_IMPLEMENTATIONS = gen_config.ALL_CACHE_IMPLEMENTATIONS + missing
 
 
+def _attention_for(model, cache) -> None:
+    """A cache class that sets `needs_attention_mass` (it ranks tokens by the attention they receive) gets the
+    "hf_kvcache" attention, the one that reports it; see `hf_kvcache.attention.use_for_cache`."""
+    if getattr(cache, "needs_attention_mass", False):
+        from .attention import use_for_cache
+
+        use_for_cache(model, cache)
+
+
 def install() -> None:
     """Hook transformers' generate() once (idempotent)."""
     global _installed
@@ -78,9 +87,11 @@ def install() -> None:
             options = copy.deepcopy(generation_config.cache_config) if generation_config.cache_config else {}
             cache = build_cache(name, self.config.get_text_config(decoder=True), **options)
             model_kwargs["past_key_values"] = cache
+            _attention_for(self, cache)
             if generation_config.is_assistant:
                 cache.activate_past_recording()
             return None
+        _attention_for(self, model_kwargs.get("past_key_values"))
         return original(self, generation_config, model_kwargs, *args, **kwargs)
 
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation

@@ -130,12 +130,16 @@ def decode_attention(
         if isinstance(seg, QuantSegment):
             seg.check()
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
+            q_seg = q if seg.k_rotation is None else q @ seg.k_rotation.float()
             if use_triton:
                 from .triton_decode import quant_partial_triton
 
-                partials.append(quant_partial_triton(q, seg, key_valid))
+                m, l, acc = quant_partial_triton(q_seg, seg, key_valid)
             else:
-                partials.append(_quant_partial_torch(q, seg, key_valid, block))
+                m, l, acc = _quant_partial_torch(q_seg, seg, key_valid, block)
+            if seg.v_rotation is not None:
+                acc = acc @ seg.v_rotation.t().float()
+            partials.append((m, l, acc))
             spans.append((seg, start, stop, key_valid))
         else:
             rm = _rows_mask(cmask, group)
@@ -154,10 +158,12 @@ def _mass(q, spans, lse, block, use_triton, q_len):
         if isinstance(seg, FullSegment):
             p = torch.exp(_masked_scores(q, seg.keys.float(), m) - lse.unsqueeze(-1))
             pieces.append(p.sum(2))
-        elif use_triton:
+            continue
+        q_seg = q if seg.k_rotation is None else q @ seg.k_rotation.float()
+        if use_triton:
             from .triton_decode import quant_mass_triton
 
-            pieces.append(quant_mass_triton(q, seg, m, lse))
+            pieces.append(quant_mass_triton(q_seg, seg, m, lse))
         else:
             step = max(seg.k_group, block - block % seg.k_group)
             cols = []
@@ -165,7 +171,7 @@ def _mass(q, spans, lse, block, use_triton, q_len):
                 s1 = min(s0 + step, seg.tokens)
                 k, _ = seg.slice(s0, s1).dequantize()
                 rm = None if m is None else m[:, None, None, s0:s1]
-                cols.append(torch.exp(_masked_scores(q, k, rm) - lse.unsqueeze(-1)).sum(2))
+                cols.append(torch.exp(_masked_scores(q_seg, k, rm) - lse.unsqueeze(-1)).sum(2))
             pieces.append(torch.cat(cols, -1))
     return torch.cat(pieces, -1)
 
@@ -174,7 +180,7 @@ def reference_attention(query, segments, attention_mask=None, scaling=None):
     """Dequantize everything, repeat KV heads, plain softmax attention: what the fused paths must match."""
     keys, values = [], []
     for seg in segments:
-        k, v = (seg.keys.float(), seg.values.float()) if isinstance(seg, FullSegment) else seg.dequantize()
+        k, v = (seg.keys.float(), seg.values.float()) if isinstance(seg, FullSegment) else seg.dequantize(unrotate=True)
         keys.append(k)
         values.append(v)
     k, v = torch.cat(keys, 2), torch.cat(values, 2)

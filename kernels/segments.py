@@ -28,6 +28,8 @@ class QuantSegment:
     k_group: int  # tokens per key scale
     v_group: int  # channels per value scale
     head_dim: int
+    k_rotation: torch.Tensor | None = None  # stored keys are k @ R (R orthogonal): attend with q @ R
+    v_rotation: torch.Tensor | None = None  # stored values are v @ R: the segment's output is rotated back by R^T
 
     @property
     def tokens(self) -> int:
@@ -47,17 +49,22 @@ class QuantSegment:
             self.k_codes[:, :, start:stop], self.k_scale[:, :, start // g : -(-stop // g)],
             self.k_zero[:, :, start // g : -(-stop // g)], self.v_codes[:, :, start:stop],
             self.v_scale[:, :, start:stop], self.v_zero[:, :, start:stop], self.k_bits, self.v_bits, g,
-            self.v_group, self.head_dim,
+            self.v_group, self.head_dim, self.k_rotation, self.v_rotation,
         )
 
-    def dequantize(self, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reference expansion of the whole segment to `[B, H, T, D]` keys and values."""
+    def dequantize(self, dtype: torch.dtype = torch.float32, unrotate: bool = False):
+        """Expansion to `[B, H, T, D]` keys and values (in the stored, rotated basis unless `unrotate`)."""
         b, h, t, d = *self.k_codes.shape[:3], self.head_dim
         kc = unpack_float(self.k_codes, self.k_bits, d).view(b, h, t // self.k_group, self.k_group, d)
         k = torch.addcmul(self.k_zero.float().unsqueeze(3), kc, self.k_scale.float().unsqueeze(3))
         vc = unpack_float(self.v_codes, self.v_bits, d).view(b, h, t, d // self.v_group, self.v_group)
         v = torch.addcmul(self.v_zero.float().unsqueeze(4), vc, self.v_scale.float().unsqueeze(4))
-        return k.view(b, h, t, d).to(dtype), v.view(b, h, t, d).to(dtype)
+        k, v = k.view(b, h, t, d), v.view(b, h, t, d)
+        if unrotate and self.k_rotation is not None:
+            k = k @ self.k_rotation.t().float()
+        if unrotate and self.v_rotation is not None:
+            v = v @ self.v_rotation.t().float()
+        return k.to(dtype), v.to(dtype)
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero))

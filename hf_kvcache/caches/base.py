@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, QuantizedLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
@@ -41,6 +41,10 @@ class CompressedLayer(DynamicLayer):
     is_sliding = False
     is_croppable = True
     wants_attention_mass = False  # set by policies (H2O, CPAC) that rank tokens by the attention they receive
+    # Set by the fused attention kernel once it has seen this layer: `update` then hands over a compressed view
+    # (`fused_view`) and placeholder tensors instead of dequantized keys/values. Only layers that implement
+    # `attention_segments` are ever enrolled; `reset` clears it.
+    fused_reader = False
 
     def __init__(self, options: CacheOptions | None = None) -> None:
         super().__init__()
@@ -55,9 +59,33 @@ class CompressedLayer(DynamicLayer):
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def attention_segments(self) -> list | None:
+        """The held tokens as `hf_kvcache.kernels.segments` (quantized / full), in key order; None when this layer
+        has no storage the fused attention can read directly."""
+        return None
+
+    def fused_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`update` for the fused attention: snapshot the stored segments (references, no copy; storage is replaced,
+        never written in place), store the new tokens, and return zero-stride placeholders tagged with this layer.
+        The attention reads `self.fused_view = (segments, new keys, new values)`."""
+        segments = self.attention_segments() or []
+        self.cumulative_length += key_states.shape[-2]
+        self.append(key_states, value_states)
+        self.fused_view = (segments, key_states, value_states)
+        total = sum(seg.tokens for seg in segments) + key_states.shape[-2]
+        b, h = key_states.shape[:2]
+        keys = key_states.new_zeros(()).expand(b, h, total, key_states.shape[-1])
+        values = value_states.new_zeros(()).expand(b, h, total, value_states.shape[-1])
+        setattr(keys, LAYER_ATTR, self)
+        return keys, values
+
     def observe_attention(self, mass: torch.Tensor) -> None:
         """Attention mass `[batch, kv_heads, tokens]` received by the keys of the last `update` (held tokens first,
         then the new ones), summed over the query heads of each KV group and over the query positions."""
+
+    def observe_visible_keys(self, visible: torch.Tensor | None) -> None:
+        """Called by the attention function just before `observe_attention`, over the same keys: `[batch, tokens]`
+        bool, False where the mask lets no query attend the key (padding); None when the call had no mask."""
 
     # ---- transformers' layer contract ---------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -73,6 +101,8 @@ class CompressedLayer(DynamicLayer):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.fused_reader:
+            return self.fused_update(key_states, value_states)
         if self.tokens_held() > 0:
             past_k, past_v = self.materialize()
             keys = torch.cat([past_k, key_states], dim=-2)
@@ -97,6 +127,8 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         self.store = {}
         self.cumulative_length = 0
+        self.fused_reader = False
+        self.fused_view = None
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -195,10 +227,48 @@ class CompressedCache(Cache):
         return memory_stats(self)
 
 
+def _quantized_peer_bytes(q: Any) -> tuple[int, tuple | None]:
+    """(real bytes, logical [batch, heads, tokens, dim] shape) of the quantized states of a transformers
+    `QuantizedLayer`: an optimum-quanto QTensor (packed `_data`, `_scale`, `_shift`) or an hqq (codes, meta) tuple."""
+    if q is None:
+        return 0, None
+    if isinstance(q, tuple):  # hqq: (packed codes, meta dict with scale / zero)
+        codes, meta = q
+        held = codes.nbytes + sum(meta[k].nbytes for k in ("scale", "zero") if isinstance(meta.get(k), torch.Tensor))
+        return held, tuple(meta.get("shape", ())) or None
+    held = 0
+    for name in ("_data", "_scale", "_shift"):
+        t = getattr(q, name, None)
+        inner = getattr(t, "_data", None)  # quanto's PackedTensor reports the unpacked shape; its `_data` is packed
+        t = inner if isinstance(inner, torch.Tensor) else t
+        if isinstance(t, torch.Tensor):
+            held += t.nbytes
+    return held, tuple(q.shape)
+
+
+def _peer_quantized_layer_bytes(layer: Any) -> tuple[int, int]:
+    """transformers' `QuantizedLayer` (quanto / hqq backends): quantized states plus the residual keys/values."""
+    held = per_token = 0
+    for q, residual in ((getattr(layer, "_quantized_keys", None), layer.keys),
+                        (getattr(layer, "_quantized_values", None), layer.values)):
+        b, shape = _quantized_peer_bytes(q)
+        held += b
+        if isinstance(residual, torch.Tensor):
+            held += residual.nbytes
+        if shape is not None and len(shape) == 4:
+            per_token += shape[0] * shape[1] * shape[3]
+        elif isinstance(residual, torch.Tensor) and residual.dim() == 4:
+            per_token += residual.shape[0] * residual.shape[1] * residual.shape[3]
+    fp16 = FP16_BYTES * per_token * getattr(layer, "cumulative_length", 0)
+    return held, fp16
+
+
 def _layer_bytes(layer: Any) -> tuple[int, int]:
     """(bytes held, fp16 bytes of a plain cache of the same tokens) for any transformers or hf-kvcache layer."""
     if isinstance(layer, CompressedLayer):
         return layer.nbytes(), layer.fp16_bytes()
+    if isinstance(layer, QuantizedLayer):
+        return _peer_quantized_layer_bytes(layer)
     held = fp16 = 0
     for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
         if isinstance(t, torch.Tensor):

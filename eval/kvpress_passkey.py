@@ -1,0 +1,116 @@
+"""NVIDIA kvpress on the very same passkey trials, for a side-by-side with `hf-kvcache passkey`.
+
+kvpress pins transformers < 5.3, so this script runs in its own virtual environment and imports nothing from
+hf_kvcache (the trials come as token ids in a JSON file):
+
+    python -m venv /tmp/kvpress-venv && /tmp/kvpress-venv/bin/pip install torch==2.13.0 kvpress
+    hf-kvcache passkey --dump-trials /tmp/passkey_trials.json --context 1024 --trials 20
+    MODEL=$(python -c "from hf_kvcache.eval.assets import model_dir; print(model_dir('smollm2-135m'))")
+    /tmp/kvpress-venv/bin/python eval/kvpress_passkey.py /tmp/passkey_trials.json --model $MODEL \\
+        --presses none streaming_llm observed_attention snapkv --compression-ratio 0.8
+
+Same protocol as `hf_kvcache.eval.passkey`: the context is prefilled in one forward inside the press (kvpress
+compresses during prefill only), then the question is fed and the answer decoded greedily. The question and answer
+tokens get their true positions (kvpress's cache length no longer counts the evicted tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import re
+import time
+
+import torch
+
+
+def make_press(name: str, ratio: float):
+    import kvpress
+
+    presses = {
+        "none": None,
+        "streaming_llm": lambda: kvpress.StreamingLLMPress(compression_ratio=ratio),
+        "observed_attention": lambda: kvpress.ObservedAttentionPress(compression_ratio=ratio),
+        "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
+        "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
+        "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
+    }
+    if name not in presses:
+        raise SystemExit(f"unknown press {name!r}; choose from {sorted(presses)}")
+    return presses[name]() if presses[name] else None
+
+
+@torch.inference_mode()
+def run_trial(model, tokenizer, press, trial: dict, new_tokens: int, eager: bool) -> dict:
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    context = torch.tensor([trial["context_ids"]])
+    n = context.shape[1]
+    with press(model) if press is not None else contextlib.nullcontext():
+        model(input_ids=context, past_key_values=cache, use_cache=True, output_attentions=eager)
+    question = torch.tensor([trial["question_ids"]])
+    pos = n
+    ids = question
+    answer = []
+    for _ in range(new_tokens):
+        position_ids = torch.arange(pos, pos + ids.shape[1])[None]
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True).logits
+        pos += ids.shape[1]
+        nxt = int(logits[0, -1].argmax())
+        answer.append(nxt)
+        if nxt == tokenizer.eos_token_id:
+            break
+        ids = torch.tensor([[nxt]])
+    text = tokenizer.decode(answer, skip_special_tokens=True)
+    m = re.search(r"\d+", text)
+    return {"depth": trial["depth"], "key": trial["key"], "answer": text, "correct": bool(m and m.group(0) == trial["key"])}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("trials")
+    ap.add_argument("--model", required=True, help="the local model folder (hf_kvcache.eval.assets.model_dir)")
+    ap.add_argument("--presses", nargs="+", default=["none", "streaming_llm", "observed_attention", "snapkv"])
+    ap.add_argument("--compression-ratio", type=float, default=0.8, help="fraction removed (0.8 keeps 20 %%)")
+    ap.add_argument("--new-tokens", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    import kvpress
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.utils.logging.disable_progress_bar()
+    with open(args.trials) as f:
+        trials = json.load(f)
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    print(f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers "
+          f"{transformers.__version__}, torch {torch.__version__}; {len(trials)} trials, "
+          f"compression_ratio={args.compression_ratio} (keeps {100 * (1 - args.compression_ratio):.0f} % of the context)")
+    depths = sorted({t["depth"] for t in trials})
+    rows = []
+    for name in args.presses:
+        eager = name == "observed_attention"
+        model = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=torch.float32, attn_implementation="eager" if eager else "sdpa"
+        ).eval()
+        press = make_press(name, args.compression_ratio)
+        t0 = time.perf_counter()
+        results = [run_trial(model, tokenizer, press, t, args.new_tokens, eager) for t in trials]
+        acc = {f"{d:g}": sum(r["correct"] for r in results if r["depth"] == d) / max(1, sum(r["depth"] == d for r in results))
+               for d in depths}
+        rows.append({"press": name, "accuracy": acc, "mean": sum(r["correct"] for r in results) / len(results),
+                     "trials": len(results), "seconds": time.perf_counter() - t0, "results": results})
+        print(f"{name}: " + "  ".join(f"depth {d}: {100 * a:.0f}%" for d, a in acc.items())
+              + f"  mean {100 * rows[-1]['mean']:.1f}%  ({rows[-1]['seconds']:.0f} s)", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

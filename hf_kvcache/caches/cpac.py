@@ -1,0 +1,754 @@
+"""CPACCache: cross-page adaptive compression (base pages + quantized deltas, memory-pressure adaptive).
+
+The method of "CPAC: Cross-Page Adaptive Compression", built as the paper describes it, with the choices the paper
+leaves open made explicit as options:
+
+- Each layer cuts the tokens of every (batch row, KV head) into pages of `page_size` tokens. A page is compressed
+  once it is full and older than the `recent_pages` newest full pages; newer tokens (the "tail") stay in
+  `full_dtype` (fp16 by default, the precision the compression ratio is measured against).
+- A page is compared with the *base pages* of its (layer, batch row, KV head) by the cosine of its features (see
+  `hf_kvcache.policy.cpac_features`) times `1 - |imp_a - imp_b|`, importance coming from the attention mass the
+  pages received. If the best base is similar enough (threshold set by memory pressure), the page is stored as a
+  delta against it, quantized to `delta_bits` with one fp16 scale per page (`delta_scale="page"`, or per token /
+  per channel); otherwise it becomes a new base (full precision) or, when `max_bases` bases exist already, stays
+  raw (full precision, not used as a base). Pages whose importance reaches `protect_importance` (relative to the
+  most attended page of the same row and head) stay raw: never a delta, nor a base.
+- Memory pressure = bytes held by all CPAC layers of the cache / `memory_budget` (bytes when an int, a fraction
+  of the fp16 size of the tokens seen when a float), or a fixed `pressure` given by the caller. The similarity
+  threshold follows it: `thresholds[i]` while pressure < `pressure_levels[i]`, the last threshold above (defaults
+  0.95 / 0.85 / 0.70 at < 0.6 / < 0.8 / above).
+- `update` returns decompressed keys and values (decompression on demand, every page rebuilt from its base and
+  delta), so the cache works with any attention implementation.
+
+Importance. With `attn_implementation="hf_kvcache"` the attention function reports, after each update, the
+attention every held key received (`observe_attention`); a page's importance is the mean attention per query that
+looked at it, divided by the largest such value among the pages of its row and head. Compression of pages that
+became eligible in an update then waits for that report, so they are ranked by attention that includes their own
+chunk. With any other attention implementation no mass arrives: the layer notices at its next update (one logged
+note per cache), compresses from then on right in `update`, and every page's importance is 0 (uniform fallback:
+the weight `1 - |imp_a - imp_b|` is 1 and no page is protected by importance; recent pages still are).
+
+Storage of one layer (`store`), for each of keys (`k_`) and values (`v_`):
+  `tail`  [batch, heads, tail_tokens, D]  full_dtype   tokens not compressed yet
+  `full`  [n_full, P, D]                  full_dtype   pool of base and raw pages
+  `dcodes`[n_delta, packed]               uint8        delta codes (`delta_bits` per element, packed)
+  `dscale`[n_delta, groups]               fp16         delta scales
+  `dzero` [n_delta, groups]               fp16         delta zero points (only with delta_asymmetric=True)
+  `dbase` [n_delta]                       int32        row of `full` each delta is taken against (-1: zero)
+  `slot`  [batch, heads, pages]           int32        row of the page in `full` or in the delta pool
+  `mode`  [batch, heads, pages]           int8         RAW / BASE / DELTA
+and `imp_mass` [batch, heads, all pages] fp32, `imp_obs` [all pages] fp32 (attention received, queries that saw it).
+Pools are shared by batch rows: beam reordering and `batch_repeat_interleave` remap `slot` and never copy a page;
+rows no beam references any more are dropped (`_compact`). Every figure of `memory_stats` is a sum of `nbytes`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import PreTrainedConfig
+
+from ..options import CacheOptions, check_choice, check_positive_int
+from ..policy.cpac_features import (
+    FEATURE_KINDS,
+    KeyRotation,
+    combine_features,
+    importance_weight,
+    page_features,
+    threshold_for_pressure,
+)
+from ..quant.packing import packed_length
+from ..quant.uniform import QuantizedTensor, dequantize, quantize
+from .base import FP16_BYTES, CompressedCache, CompressedLayer
+from .base import memory_stats as _memory_stats
+
+logger = logging.getLogger(__name__)
+
+RAW, BASE, DELTA = 0, 1, 2
+STREAMS = ("k", "v")
+DELTA_BITS = (2, 3, 4, 5, 6, 7, 8)
+DELTA_SCALES = ("page", "token", "channel")
+SIMILARITY_ON = ("joint", "keys", "values", "separate")
+KEY_SPACES = ("rotated", "derotated")
+REFERENCES = ("base", "keys", "zero")
+FULL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+# similarity_on -> decision groups: (streams that share the decision, streams whose features decide)
+_GROUPS = {
+    "joint": ((("k", "v"), ("k", "v")),),
+    "keys": ((("k", "v"), ("k",)),),
+    "values": ((("k", "v"), ("v",)),),
+    "separate": ((("k",), ("k",)), (("v",), ("v",))),
+}
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+@dataclass
+class CPACOptions(CacheOptions):
+    """Options of `CPACCache` (JSON-serializable; bad values raise ValueError naming the valid ones).
+
+    The paper's method: `page_size`, `recent_pages`, `delta_bits` (2..8, packed), `delta_scale` (one fp16 scale per
+    "page", "token" or "channel" of a delta page; or [keys, values], e.g. ["channel", "token"]), `thresholds` /
+    `pressure_levels`, `memory_budget` (int: bytes; float: fraction of the fp16 size of the tokens seen) or a fixed
+    `pressure`, `features` + `n_dct` (see `hf_kvcache.policy.cpac_features`), `protect_importance` (pages whose
+    importance reaches it stay raw; None: no protection), `importance_weighting` (the `1 - |imp_a - imp_b|` factor),
+    `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
+
+    Variants (not in the paper, to see what matters): `delta_asymmetric` (deltas quantized with a zero point, an fp16
+    minimum per scale group, instead of symmetrically); `similarity_on` -- "joint" (keys and values of a page decide
+    together, the default), "keys" or "values" (one decides for both), "separate" (keys and values each get their own
+    bases and decisions); `key_space` -- "rotated" (keys as RoPE leaves them, the default) or "derotated" (RoPE undone
+    before features and deltas, redone on decompression; needs the model config); `reference` -- "base" (deltas
+    against base pages, the default), "keys" (values quantized directly, keys against bases chosen by the keys'
+    features alone, whatever `similarity_on` says) or "zero" (every page quantized directly: the ablation without any
+    cross-page delta).
+    """
+
+    page_size: int = 16
+    recent_pages: int = 2
+    delta_bits: int = 8
+    delta_scale: str | list = "page"
+    thresholds: tuple = (0.95, 0.85, 0.70)
+    pressure_levels: tuple = (0.6, 0.8)
+    memory_budget: int | float | None = None
+    pressure: float | None = None
+    features: str = "summary"
+    n_dct: int = 4
+    similarity_on: str = "joint"
+    key_space: str = "rotated"
+    protect_importance: float | None = 0.5
+    importance_weighting: bool = True
+    max_bases: int | None = None
+    reference: str = "base"
+    delta_asymmetric: bool = False
+    full_dtype: str = "float16"
+
+    def validate(self) -> None:
+        check_positive_int("page_size", self.page_size)
+        if not isinstance(self.recent_pages, int) or isinstance(self.recent_pages, bool) or self.recent_pages < 0:
+            raise ValueError(f"recent_pages must be a non-negative integer, got {self.recent_pages!r}")
+        check_choice("delta_bits", self.delta_bits, DELTA_BITS)
+        if isinstance(self.delta_scale, (list, tuple)):
+            if len(self.delta_scale) != 2:
+                raise ValueError(f"delta_scale takes one granularity or [keys, values], got {self.delta_scale!r}")
+            for part in self.delta_scale:
+                check_choice("delta_scale", part, DELTA_SCALES)
+            k_scale, v_scale = self.delta_scale
+            self.delta_scale = [k_scale, v_scale] if k_scale != v_scale else k_scale
+        else:
+            check_choice("delta_scale", self.delta_scale, DELTA_SCALES)
+        check_choice("features", self.features, FEATURE_KINDS)
+        check_choice("similarity_on", self.similarity_on, SIMILARITY_ON)
+        check_choice("key_space", self.key_space, KEY_SPACES)
+        check_choice("full_dtype", self.full_dtype, tuple(FULL_DTYPES))
+        check_choice("reference", self.reference, REFERENCES)
+        if not isinstance(self.n_dct, int) or isinstance(self.n_dct, bool) or self.n_dct < 0:
+            raise ValueError(
+                f"n_dct must be a non-negative integer (at most page_size - 1 are used), got {self.n_dct!r}"
+            )
+        if not isinstance(self.thresholds, (list, tuple)) or not isinstance(self.pressure_levels, (list, tuple)):
+            raise ValueError("thresholds and pressure_levels must be lists of numbers")
+        self.thresholds, self.pressure_levels = tuple(self.thresholds), tuple(self.pressure_levels)
+        if len(self.thresholds) != len(self.pressure_levels) + 1:
+            raise ValueError(
+                f"thresholds needs one more entry than pressure_levels (one per pressure regime), got "
+                f"{list(self.thresholds)} and {list(self.pressure_levels)}"
+            )
+        if not all(_is_number(t) and -1.0 <= t <= 1.0 for t in self.thresholds):
+            raise ValueError(f"thresholds must be similarities in [-1, 1], got {list(self.thresholds)}")
+        if any(a < b for a, b in zip(self.thresholds, self.thresholds[1:])):
+            raise ValueError(f"thresholds must not increase with pressure, got {list(self.thresholds)}")
+        if not all(_is_number(p) and p > 0 for p in self.pressure_levels) or any(
+            a >= b for a, b in zip(self.pressure_levels, self.pressure_levels[1:])
+        ):
+            raise ValueError(f"pressure_levels must be positive and increasing, got {list(self.pressure_levels)}")
+        mb = self.memory_budget
+        if mb is not None and not (_is_number(mb) and mb > 0):
+            raise ValueError(
+                f"memory_budget must be a positive int (bytes) or float (fraction of the fp16 size of the tokens "
+                f"seen), or None, got {mb!r}"
+            )
+        if self.pressure is not None and not (_is_number(self.pressure) and self.pressure >= 0):
+            raise ValueError(f"pressure must be a number >= 0 or None, got {self.pressure!r}")
+        if self.pressure is not None and mb is not None:
+            raise ValueError("give either memory_budget (pressure is measured) or pressure (fixed), not both")
+        pi = self.protect_importance
+        if pi is not None and not (_is_number(pi) and 0.0 <= pi <= 1.0):
+            raise ValueError(f"protect_importance must be in [0, 1] or None (no protection), got {pi!r}")
+        if not isinstance(self.delta_asymmetric, bool):
+            raise ValueError(f"delta_asymmetric must be True or False, got {self.delta_asymmetric!r}")
+        if not isinstance(self.importance_weighting, bool):
+            raise ValueError(f"importance_weighting must be True or False, got {self.importance_weighting!r}")
+        if self.max_bases is not None and (
+            not isinstance(self.max_bases, int) or isinstance(self.max_bases, bool) or self.max_bases < 0
+        ):
+            raise ValueError(f"max_bases must be a non-negative integer or None, got {self.max_bases!r}")
+
+    @property
+    def groups(self) -> tuple:
+        """Decision groups: (streams sharing one decision, streams whose features decide). Streams quantized against
+        zero have no bases, so their features cannot decide: with reference="keys" the keys decide alone."""
+        if self.reference == "zero":
+            return ((STREAMS, ()),)
+        if self.reference == "keys":
+            return ((STREAMS, ("k",)),)
+        return _GROUPS[self.similarity_on]
+
+    def scale_of(self, stream: str) -> str:
+        """Delta scale granularity of `stream` ("k" or "v")."""
+        return self.delta_scale if isinstance(self.delta_scale, str) else self.delta_scale[STREAMS.index(stream)]
+
+    def zero_reference(self, stream: str) -> bool:
+        """Whether pages of `stream` are quantized directly (a delta against zero) instead of against a base."""
+        return self.reference == "zero" or (self.reference == "keys" and stream == "v")
+
+    @property
+    def torch_full_dtype(self) -> torch.dtype:
+        return FULL_DTYPES[self.full_dtype]
+
+
+# ---- delta codec (reuses the reference quantizer of hf_kvcache.quant) ------------------------------------------------
+def _delta_group(scale: str, page_size: int, dim: int) -> int:
+    return {"page": page_size * dim, "token": dim, "channel": page_size}[scale]
+
+
+def encode_delta(
+    delta: torch.Tensor, bits: int, scale: str = "page", symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Quantize deltas `[n, P, D]` to `bits`: (packed uint8 codes `[n, packed]`, fp16 scales `[n, groups]`, fp16 zero
+    points `[n, groups]` or None when symmetric), one scale per page, per token or per channel."""
+    n, p, d = delta.shape
+    x = delta.transpose(1, 2) if scale == "channel" else delta
+    q = quantize(x.reshape(n, p * d), "int", bits, _delta_group(scale, p, d), symmetric=symmetric)
+    return q.codes, q.scale, q.zero
+
+
+def decode_delta(
+    codes: torch.Tensor, scales: torch.Tensor, bits: int, scale: str, page_size: int, dim: int,
+    zeros: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Inverse of `encode_delta`: fp32 deltas `[n, P, D]`."""
+    n = codes.shape[0]
+    q = QuantizedTensor(codes, scales, zeros, "int", bits, _delta_group(scale, page_size, dim), page_size * dim)
+    x = dequantize(q, torch.float32)
+    if scale == "channel":
+        return x.reshape(n, dim, page_size).transpose(1, 2)
+    return x.reshape(n, page_size, dim)
+
+
+def _take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """`table[idx]` where entries of `idx` that do not matter may be out of range (they read row 0)."""
+    if table.shape[0] == 0:
+        return torch.zeros(idx.shape + table.shape[1:], dtype=table.dtype, device=table.device)
+    return table[idx.clamp(0, table.shape[0] - 1)]
+
+
+class _Budget:
+    """Memory pressure shared by the CPAC layers of one cache (and the one-time fallback note)."""
+
+    def __init__(self, options: CPACOptions) -> None:
+        self.options = options
+        self.layers: list[CPACLayer] = []
+        self.noted_fallback = False
+
+    def bytes(self) -> tuple[int, int]:
+        held = fp16 = 0
+        for layer in self.layers:
+            if layer.is_initialized:
+                held, fp16 = held + layer.nbytes(), fp16 + layer.fp16_bytes()
+        return held, fp16
+
+    def measured_pressure(self) -> float:
+        budget = self.options.memory_budget
+        if budget is None:
+            return float("nan")
+        held, fp16 = self.bytes()
+        limit = budget if isinstance(budget, int) else budget * fp16
+        return held / limit if limit > 0 else 0.0
+
+    def pressure(self) -> float:
+        """Pressure the thresholds follow: fixed `pressure`, else measured against `memory_budget`, else 0."""
+        if self.options.pressure is not None:
+            return float(self.options.pressure)
+        if self.options.memory_budget is None:
+            return 0.0
+        return self.measured_pressure()
+
+    def threshold(self) -> float:
+        return threshold_for_pressure(self.pressure(), self.options.thresholds, self.options.pressure_levels)
+
+
+class CPACLayer(CompressedLayer):
+    """One model layer of a `CPACCache` (see the module docstring for the storage)."""
+
+    options: CPACOptions
+    wants_attention_mass = True
+
+    def __init__(
+        self, options: CPACOptions | None = None, budget: _Budget | None = None, rotation: KeyRotation | None = None
+    ) -> None:
+        options = options or CPACOptions()
+        super().__init__(options)
+        self.budget = budget or _Budget(options)
+        self.budget.layers.append(self)
+        if options.key_space == "derotated" and rotation is None:
+            raise ValueError("key_space='derotated' needs the model's RoPE: build the cache with config=model.config")
+        self.rotation = rotation if options.key_space == "derotated" else None
+        self.timing = {"compress_s": 0.0, "compress_blocks": 0, "decompress_s": 0.0, "decompress_blocks": 0}
+        self._reset_state()
+
+    def _reset_state(self) -> None:
+        self.n_pages = 0  # compressed pages (the same for every row and head)
+        self._pending = False  # pages may be ready, waiting for the attention mass of the last update
+        self._mass_mode: bool | None = None  # does observe_attention follow each update?
+        self._mass_seen = False
+        self._last_query_len = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._reset_state()
+
+    # ---- set-up -------------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        super().lazy_initialization(key_states, value_states)
+        if self.rotation is not None and 2 * self.rotation.inv_freq.numel() != self.head_dim:
+            raise ValueError(
+                f"key_space='derotated': the config's RoPE covers {2 * self.rotation.inv_freq.numel()} dims but "
+                f"keys have head_dim={self.head_dim}"
+            )
+        o, dev = self.options, key_states.device
+        b, h, p = key_states.shape[0], key_states.shape[1], o.page_size
+        fd = o.torch_full_dtype
+        for s, d in (("k", self.head_dim), ("v", self.value_dim)):
+            groups = (p * d) // _delta_group(o.scale_of(s), p, d)
+            self.store[f"{s}_tail"] = torch.zeros(b, h, 0, d, dtype=fd, device=dev)
+            self.store[f"{s}_full"] = torch.zeros(0, p, d, dtype=fd, device=dev)
+            packed = packed_length(p * d, o.delta_bits)
+            self.store[f"{s}_dcodes"] = torch.zeros(0, packed, dtype=torch.uint8, device=dev)
+            self.store[f"{s}_dscale"] = torch.zeros(0, groups, dtype=torch.float16, device=dev)
+            if o.delta_asymmetric:
+                self.store[f"{s}_dzero"] = torch.zeros(0, groups, dtype=torch.float16, device=dev)
+            self.store[f"{s}_dbase"] = torch.zeros(0, dtype=torch.int32, device=dev)
+            self.store[f"{s}_slot"] = torch.zeros(b, h, 0, dtype=torch.int32, device=dev)
+            self.store[f"{s}_mode"] = torch.zeros(b, h, 0, dtype=torch.int8, device=dev)
+        self.store["imp_mass"] = torch.zeros(b, h, 0, dtype=torch.float32, device=dev)
+        self.store["imp_obs"] = torch.zeros(0, dtype=torch.float32, device=dev)
+
+    # ---- sizes --------------------------------------------------------------------------------------------------
+    @property
+    def batch_rows(self) -> int:
+        return self.store["k_tail"].shape[0] if self.store else 0
+
+    def tail_tokens(self) -> int:
+        return self.store["k_tail"].shape[2] if self.store else 0
+
+    def tokens_held(self) -> int:
+        return self.n_pages * self.options.page_size + self.tail_tokens() if self.store else 0
+
+    def fp16_bytes(self) -> int:
+        if not self.is_initialized:
+            return 0
+        return FP16_BYTES * self.batch_rows * self.num_heads * self.cumulative_length * (self.head_dim + self.value_dim)
+
+    # ---- update / attention mass --------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+        if self._pending:  # the attention after the last update reported no mass: rank without it from now on
+            self._pending = False
+            self._mass_mode = False
+            if not self.budget.noted_fallback:
+                self.budget.noted_fallback = True
+                logger.warning(
+                    "CPACCache: no attention mass reached the cache (it arrives only with "
+                    "attn_implementation='hf_kvcache'); page importance falls back to uniform (0 for every page: "
+                    "no importance weighting, no importance protection; recent pages stay protected)"
+                )
+            self.compress_ready()
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        fd = self.options.torch_full_dtype
+        for s, x in (("k", key_states), ("v", value_states)):
+            self.store[f"{s}_tail"] = torch.cat([self.store[f"{s}_tail"], x.to(fd)], dim=2)
+        pages_now = -(-self.tokens_held() // self.options.page_size)
+        grow = pages_now - self.store["imp_obs"].shape[0]
+        if grow > 0:
+            mass = self.store["imp_mass"]
+            self.store["imp_mass"] = torch.cat([mass, mass.new_zeros(*mass.shape[:2], grow)], dim=2)
+            self.store["imp_obs"] = torch.cat([self.store["imp_obs"], mass.new_zeros(grow)])
+        self._last_query_len = key_states.shape[2]
+        if self._mass_mode is False:
+            self.compress_ready()
+        else:  # wait for observe_attention (or, if it never comes, for the next update)
+            self._pending = True
+
+    def observe_attention(self, mass: torch.Tensor) -> None:
+        if not self.is_initialized:
+            return
+        n = self.tokens_held()
+        expected = (self.batch_rows, self.num_heads, n)
+        if tuple(mass.shape) != expected:
+            raise ValueError(
+                f"observe_attention expects mass [batch, kv_heads, tokens] = {list(expected)} (held tokens, then "
+                f"the new ones), got {list(mass.shape)}"
+            )
+        p = self.options.page_size
+        pages = self.store["imp_obs"].shape[0]
+        q = min(self._last_query_len, n)
+        obs = torch.full((pages * p,), float(q), device=mass.device)
+        obs[n - q : n] = torch.arange(q, 0, -1, dtype=torch.float32, device=mass.device)  # causal: i-th new token
+        obs[n:] = 0
+        padded = torch.nn.functional.pad(mass.float(), (0, pages * p - n))
+        self.store["imp_mass"] = self.store["imp_mass"] + padded.reshape(*padded.shape[:2], pages, p).sum(-1)
+        self.store["imp_obs"] = self.store["imp_obs"] + obs.reshape(pages, p).sum(-1)
+        self._mass_mode = True
+        self._mass_seen = True
+        if self._pending:
+            self._pending = False
+            self.compress_ready()
+
+    def importance(self) -> torch.Tensor:
+        """`[batch, heads, pages]` in [0, 1]: mean attention per query, over the largest of the row and head;
+        all zeros while no attention mass was ever observed (uniform fallback)."""
+        mass = self.store["imp_mass"]
+        if not self._mass_seen:
+            return torch.zeros_like(mass)
+        per_query = mass / self.store["imp_obs"].clamp_min(1.0)
+        return per_query / per_query.amax(-1, keepdim=True).clamp_min(1e-30)
+
+    # ---- compression ----------------------------------------------------------------------------------------------
+    def compress_ready(self) -> int:
+        """Compress every page that is full and older than the `recent_pages` newest full pages; returns how many
+        pages (per row and head) were compressed."""
+        if not self.is_initialized:
+            return 0
+        o = self.options
+        p = o.page_size
+        ready = self.tokens_held() // p - o.recent_pages - self.n_pages
+        if ready <= 0:
+            return 0
+        t0 = time.perf_counter()
+        b, h = self.batch_rows, self.num_heads
+        n = b * h
+        start = self.n_pages * p
+        # pages to compress, in the space they are stored in (keys de-rotated when key_space="derotated")
+        new_pages = {}
+        for s in STREAMS:
+            x = self.store[f"{s}_tail"][:, :, : ready * p]
+            x = self.rotation.derotate(x, start) if (s == "k" and self.rotation is not None) else x.float()
+            new_pages[s] = x.reshape(n, ready, p, x.shape[-1])
+        imp = self.importance().reshape(n, -1)
+        protect = o.protect_importance if self._mass_seen else None
+        for streams, feature_streams in o.groups:
+            self._compress_group(streams, feature_streams, new_pages, imp, protect, ready)
+        for s in STREAMS:
+            self.store[f"{s}_tail"] = self.store[f"{s}_tail"][:, :, ready * p :].clone()
+        self.n_pages += ready
+        self.timing["compress_s"] += time.perf_counter() - t0
+        self.timing["compress_blocks"] += ready * n
+        return ready
+
+    def _compress_group(self, streams, feature_streams, new_pages, imp, protect, ready) -> None:
+        """Decide and store `ready` pages of `streams` one after the other (a page may use a base made just before),
+        for every row and head at once; `feature_streams` give the features that decide."""
+        o = self.options
+        n = self.batch_rows * self.num_heads
+        first = self.n_pages
+        # features of the base candidates: every page already compressed (only bases are eligible)
+        pool_feats = {s: page_features(self.store[f"{s}_full"], o.n_dct, o.features) for s in feature_streams}
+        mode = self.store[f"{streams[0]}_mode"].reshape(n, first)
+        cand = (
+            combine_features(
+                *[_take(pool_feats[s], self.store[f"{s}_slot"].reshape(n, first).long()) for s in feature_streams]
+            )
+            if feature_streams
+            else None
+        )
+        is_base = mode == BASE
+        rows = torch.arange(n, device=mode.device)
+        for j in range(ready):
+            page = first + j
+            feats = {s: page_features(new_pages[s][:, j], o.n_dct, o.features) for s in feature_streams}
+            new_feat = combine_features(*[feats[s] for s in feature_streams]) if feats else None
+            threshold = self.budget.threshold()
+            protected = imp[:, page] >= (protect if protect is not None else math.inf)
+            best = torch.full((n,), float("-inf"), device=mode.device)
+            best_q = torch.zeros(n, dtype=torch.long, device=mode.device)
+            if new_feat is not None and is_base.any():
+                sim = torch.einsum("nf,nqf->nq", new_feat, cand)
+                if o.importance_weighting:
+                    sim = sim * importance_weight(imp[:, page : page + 1], imp[:, :page])
+                best, best_q = sim.masked_fill(~is_base, float("-inf")).max(dim=-1)
+            # important pages stay as they are: never a delta, nor a base
+            to_delta = (best >= threshold) & ~protected
+            can_base = torch.ones_like(to_delta) if o.max_bases is None else is_base.sum(-1) < o.max_bases
+            can_base &= ~protected
+            new_mode = torch.where(to_delta, DELTA, torch.where(can_base, BASE, RAW)).to(torch.int8)
+            for s in streams:
+                if o.zero_reference(s):  # quantized directly (ablation / values in reference="keys")
+                    s_delta = ~protected
+                    s_mode = torch.where(s_delta, DELTA, RAW).to(torch.int8)
+                    base_rows = torch.full((int(s_delta.sum()),), -1, dtype=torch.long, device=mode.device)
+                else:
+                    s_delta, s_mode = to_delta, new_mode
+                    slot_all = self.store[f"{s}_slot"].reshape(n, -1)
+                    base_rows = slot_all[rows[to_delta], best_q[to_delta]].long()
+                self._store_page(s, new_pages[s][:, j], s_delta, base_rows, s_mode)
+                if s in pool_feats:
+                    pool_feats[s] = torch.cat([pool_feats[s], feats[s][~s_delta]])
+            if new_feat is not None:
+                cand = torch.cat([cand, new_feat.unsqueeze(1)], dim=1)
+            is_base = torch.cat([is_base, (new_mode == BASE).unsqueeze(1)], dim=1)
+            mode = torch.cat([mode, new_mode.unsqueeze(1)], dim=1)
+
+    def _store_page(self, s, page, to_delta, base_rows, new_mode) -> None:
+        """Append one page `[n, P, D]` (fp32, storage space) of stream `s`: full rows to the pool, the others as
+        deltas against their base row of the pool (-1: against zero); record slot and mode."""
+        o, st = self.options, self.store
+        b, h = self.batch_rows, self.num_heads
+        full = st[f"{s}_full"]
+        keep = ~to_delta
+        slot = torch.empty(b * h, dtype=torch.int32, device=page.device)
+        n_keep = int(keep.sum())
+        slot[keep] = torch.arange(full.shape[0], full.shape[0] + n_keep, dtype=torch.int32, device=page.device)
+        if n_keep:
+            st[f"{s}_full"] = torch.cat([full, page[keep].to(full.dtype)])
+        n_delta = b * h - n_keep
+        if n_delta:
+            delta = page[to_delta] - self._bases(s, base_rows)
+            codes, scales, zeros = encode_delta(delta, o.delta_bits, o.scale_of(s), not o.delta_asymmetric)
+            have = st[f"{s}_dcodes"].shape[0]
+            slot[to_delta] = torch.arange(have, have + n_delta, dtype=torch.int32, device=page.device)
+            st[f"{s}_dcodes"] = torch.cat([st[f"{s}_dcodes"], codes])
+            st[f"{s}_dscale"] = torch.cat([st[f"{s}_dscale"], scales])
+            if zeros is not None:
+                st[f"{s}_dzero"] = torch.cat([st[f"{s}_dzero"], zeros])
+            st[f"{s}_dbase"] = torch.cat([st[f"{s}_dbase"], base_rows.to(torch.int32)])
+        st[f"{s}_slot"] = torch.cat([st[f"{s}_slot"], slot.reshape(b, h, 1)], dim=2)
+        st[f"{s}_mode"] = torch.cat([st[f"{s}_mode"], new_mode.reshape(b, h, 1)], dim=2)
+
+    # ---- decompression ------------------------------------------------------------------------------------------
+    def _bases(self, s: str, base_rows: torch.Tensor, table: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 base pages of `base_rows` (rows of the pool, or of `table`); zeros where the row is -1."""
+        table = self.store[f"{s}_full"] if table is None else table
+        base = _take(table, base_rows).float()
+        return base * (base_rows >= 0).view(-1, 1, 1)
+
+    def _decode_rows(self, s: str, rows: slice) -> torch.Tensor:
+        """fp32 deltas `[n, P, D]` of the delta pool rows `rows` of stream `s`."""
+        o, st = self.options, self.store
+        zeros = st.get(f"{s}_dzero")
+        return decode_delta(
+            st[f"{s}_dcodes"][rows], st[f"{s}_dscale"][rows], o.delta_bits, o.scale_of(s), o.page_size,
+            st[f"{s}_tail"].shape[-1], None if zeros is None else zeros[rows],
+        )
+
+    def _pages(self, s: str) -> torch.Tensor:
+        """The compressed pages of stream `s`, rebuilt: fp32 `[batch, heads, pages * P, D]` (keys rotated back)."""
+        o, st = self.options, self.store
+        full = st[f"{s}_full"]
+        b, h, _, d = st[f"{s}_tail"].shape
+        table = full.float()
+        if st[f"{s}_dcodes"].shape[0]:
+            deltas = self._decode_rows(s, slice(None))
+            table = torch.cat([table, self._bases(s, st[f"{s}_dbase"].long(), table) + deltas])
+        mode, slot = st[f"{s}_mode"], st[f"{s}_slot"].long()
+        idx = torch.where(mode == DELTA, slot + full.shape[0], slot)
+        pages = table[idx].reshape(b, h, self.n_pages * o.page_size, d)
+        if s == "k" and self.rotation is not None:
+            pages = self.rotation.rotate(pages, 0)
+        return pages
+
+    def decompress_page(self, s: str, row: int, head: int, page: int) -> torch.Tensor:
+        """One compressed page of stream `s` ("k" or "v"), rebuilt alone: fp32 `[P, D]` (keys rotated back)."""
+        o, st = self.options, self.store
+        if not 0 <= page < self.n_pages:
+            raise ValueError(f"page {page} is not compressed; this layer holds compressed pages 0..{self.n_pages - 1}")
+        slot = int(st[f"{s}_slot"][row, head, page])
+        if int(st[f"{s}_mode"][row, head, page]) == DELTA:
+            delta = self._decode_rows(s, slice(slot, slot + 1))[0]
+            x = self._bases(s, st[f"{s}_dbase"][slot : slot + 1].long())[0] + delta
+        else:
+            x = st[f"{s}_full"][slot].float()
+        if s == "k" and self.rotation is not None:
+            x = self.rotation.rotate(x, page * o.page_size)
+        return x
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
+        out = []
+        for s in STREAMS:
+            tail = self.store[f"{s}_tail"].to(self.dtype)
+            out.append(torch.cat([self._pages(s).to(self.dtype), tail], dim=2) if self.n_pages else tail)
+        if self.n_pages:
+            self.timing["decompress_s"] += time.perf_counter() - t0
+            self.timing["decompress_blocks"] += self.n_pages * self.batch_rows * self.num_heads
+        return out[0], out[1]
+
+    # ---- batch / beam contract ------------------------------------------------------------------------------------
+    _BATCH_MAJOR = ("k_tail", "v_tail", "k_slot", "v_slot", "k_mode", "v_mode", "imp_mass")
+
+    def _map_batch(self, fn) -> None:
+        if not self.is_initialized:
+            return
+        for name in self._BATCH_MAJOR:
+            self.store[name] = fn(self.store[name])
+        for s in STREAMS:
+            self._compact(s)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map_batch(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))  # pools are shared, nothing is copied
+
+    def _compact(self, s: str) -> None:
+        """Drop pool rows no (row, head, page) references any more, and renumber slots."""
+        st = self.store
+        full, codes = st[f"{s}_full"], st[f"{s}_dcodes"]
+        n_full, n_delta = full.shape[0], codes.shape[0]
+        if n_full + n_delta == 0:
+            return
+        mode, slot = st[f"{s}_mode"], st[f"{s}_slot"].long()
+        is_delta = mode == DELTA
+        used_d = torch.zeros(n_delta, dtype=torch.bool, device=slot.device)
+        used_d[slot[is_delta]] = True
+        used_f = torch.zeros(n_full, dtype=torch.bool, device=slot.device)
+        used_f[slot[~is_delta]] = True
+        bases = st[f"{s}_dbase"][used_d].long()
+        used_f[bases[bases >= 0]] = True
+        if bool(used_f.all()) and bool(used_d.all()):
+            return
+        new_f = torch.cumsum(used_f, 0) - 1
+        new_d = torch.cumsum(used_d, 0) - 1
+        st[f"{s}_slot"] = torch.where(is_delta, _take(new_d, slot), _take(new_f, slot)).to(torch.int32)
+        st[f"{s}_full"] = full[used_f]
+        st[f"{s}_dbase"] = torch.where(bases >= 0, _take(new_f, bases), -1).to(torch.int32)
+        st[f"{s}_dcodes"] = codes[used_d]
+        st[f"{s}_dscale"] = st[f"{s}_dscale"][used_d]
+        if f"{s}_dzero" in st:
+            st[f"{s}_dzero"] = st[f"{s}_dzero"][used_d]
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last `-tokens_to_remove` tokens; compressed pages that reach into them are decompressed back
+        into the tail first (they will be compressed again once old enough)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        if n > self.tokens_held():
+            raise ValueError(f"cannot crop {n} tokens: this layer holds {self.tokens_held()}")
+        p = self.options.page_size
+        keep = self.tokens_held() - n
+        keep_pages = min(self.n_pages, keep // p)
+        st = self.store
+        if keep_pages < self.n_pages:
+            for s in STREAMS:
+                back = self._pages(s)[:, :, keep_pages * p :].to(st[f"{s}_tail"].dtype)
+                st[f"{s}_tail"] = torch.cat([back, st[f"{s}_tail"]], dim=2)
+                st[f"{s}_slot"] = st[f"{s}_slot"][:, :, :keep_pages].clone()
+                st[f"{s}_mode"] = st[f"{s}_mode"][:, :, :keep_pages].clone()
+            self.n_pages = keep_pages
+            for s in STREAMS:
+                self._compact(s)
+        tail_keep = keep - self.n_pages * p
+        for s in STREAMS:
+            st[f"{s}_tail"] = st[f"{s}_tail"][:, :, :tail_keep].clone()
+        pages = -(-keep // p)
+        st["imp_mass"] = st["imp_mass"][:, :, :pages].clone()
+        st["imp_obs"] = st["imp_obs"][:pages].clone()
+        self.cumulative_length -= n
+
+    # ---- reporting ------------------------------------------------------------------------------------------------
+    def page_counts(self) -> dict[str, int]:
+        """Pages per kind, counting each (row, head, page) of keys and of values once."""
+        counts = {"base_pages": 0, "delta_pages": 0, "raw_pages": 0}
+        if not self.is_initialized:
+            return counts
+        for s in STREAMS:
+            mode = self.store[f"{s}_mode"]
+            counts["base_pages"] += int((mode == BASE).sum())
+            counts["delta_pages"] += int((mode == DELTA).sum())
+            counts["raw_pages"] += int((mode == RAW).sum())
+        return counts
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        kinds = {"full": ("full",), "delta": ("dcodes", "dscale", "dzero", "dbase"), "tail": ("tail",)}
+        out = {k: 0 for k in (*kinds, "meta")}
+        for name, t in self.store.items():
+            field = name.split("_", 1)[1] if name[:2] in ("k_", "v_") else name
+            kind = next((k for k, fields in kinds.items() if field in fields), "meta")
+            out[kind] += t.nbytes
+        return out
+
+
+class CPACCache(CompressedCache):
+    """Cross-page adaptive compression. `CPACCache(config=model.config, memory_budget=0.5, delta_bits=8)`."""
+
+    options_class = CPACOptions
+    layer_class = CPACLayer
+    needs_attention_mass = True  # generate(cache_implementation="cpac") switches the model to the hf_kvcache attention
+
+    def __init__(self, config: PreTrainedConfig | None = None, **options: Any) -> None:
+        parsed = CPACOptions.from_dict(options)
+        self._budget = _Budget(parsed)
+        self._rotation = None
+        if parsed.key_space == "derotated":
+            if config is None:
+                raise ValueError("key_space='derotated' needs config=model.config (its RoPE parameters)")
+            self._rotation = KeyRotation.from_config(config)
+        super().__init__(config, **options)
+        self._budget.options = self.options
+        if self.layer_class_to_replicate is not None:
+            self.layer_class_to_replicate = functools.partial(CPACLayer, self.options, self._budget, self._rotation)
+
+    def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
+        if layer_type == "full_attention":
+            return CPACLayer(self.options, self._budget, self._rotation)
+        return super()._make_layer(layer_type, kwargs, layer_idx)
+
+    def cpac_layers(self) -> list[CPACLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CPACLayer)]
+
+    def compress_ready(self) -> int:
+        """Compress every page that is ready now, in every layer (normally done by update / observe_attention)."""
+        return sum(layer.compress_ready() for layer in self.cpac_layers())
+
+    def memory_stats(self) -> dict[str, float]:
+        """Bytes held (sum of nbytes), fp16 equivalent and ratio, pages per kind (keys and values counted apart),
+        bytes per kind, the pressure the thresholds follow, the measured pressure and the current threshold."""
+        stats = _memory_stats(self)
+        for layer in self.cpac_layers():
+            for k, v in layer.page_counts().items():
+                stats[k] = stats.get(k, 0) + v
+            for k, v in layer.bytes_by_kind().items():
+                stats[f"{k}_bytes"] = stats.get(f"{k}_bytes", 0) + v
+        stats["tail_tokens"] = max((layer.tail_tokens() for layer in self.cpac_layers()), default=0)
+        stats["pressure"] = self._budget.pressure()
+        stats["measured_pressure"] = self._budget.measured_pressure()
+        stats["threshold"] = self._budget.threshold()
+        return stats
+
+    def timing_stats(self) -> dict[str, float]:
+        """Time spent compressing / decompressing, per block (one page of one row and KV head, keys and values),
+        summed over the layers since the cache was made."""
+        t = {"compress_s": 0.0, "compress_blocks": 0, "decompress_s": 0.0, "decompress_blocks": 0}
+        for layer in self.cpac_layers():
+            for k in t:
+                t[k] += layer.timing[k]
+        t["compress_ms_per_block"] = 1e3 * t["compress_s"] / t["compress_blocks"] if t["compress_blocks"] else math.nan
+        t["decompress_ms_per_block"] = (
+            1e3 * t["decompress_s"] / t["decompress_blocks"] if t["decompress_blocks"] else math.nan
+        )
+        return t

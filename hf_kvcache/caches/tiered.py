@@ -1,0 +1,557 @@
+"""Tiered KIVI caches: a full-precision hot tail, a 4-bit warm tier, a 2-bit archive, and full-precision sinks.
+
+Positions of one layer, oldest first::
+
+    archive (archive_bits) [0, a) | warm (warm_bits) [a, a + w) | tail (full precision) [a + w, n)
+    + sinks: a full-precision copy of positions [0, sink_length), laid over whatever tier holds them
+
+New tokens enter the tail. Whenever the tail holds at least `tail_length + group_size` tokens, its oldest whole groups
+of `group_size` tokens are quantized (from full precision) into the warm tier; whenever the warm tier holds at least
+`warm_length + archive_group_size` tokens, its oldest `archive_group_size` groups are re-quantized at `archive_bits`
+into the archive. So the newest `tail_length` tokens are always exact, at least the next `warm_length` are at
+`warm_bits`, the rest at `archive_bits`, and every token is quantized once per tier change: appending quantizes only
+the groups that move and never touches the tiers already stored (transformers' `QuantizedLayer` re-quantizes its whole
+cache at every flush). Group boundaries are at fixed positions (multiples of the group size from position 0), so the
+sinks do not shift them: the sink positions are stored in full precision and, inside their quantization group, replaced
+by a neighbour's values so that they do not stretch the group's range.
+
+Quantization is KIVI's (`hf_kvcache.quant.kivi`): keys per channel over groups of tokens, values per token over groups
+of channels, asymmetric min/max with fp16 scale and zero, codes bit-packed. Options add a randomized Hadamard rotation
+of the head dimension before quantizing (undone when dequantizing), clipping, and per-token keys (the ablation of
+KIVI's per-channel keys). The defaults are the measured best recipe (`python -m hf_kvcache.eval.tiered_bench`).
+
+`KIVICache` is the classic two-tier form: a full-precision residual window and one quantized tier.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..options import CacheOptions, check_choice, check_positive_int
+from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi, quantize_kivi, slice_tokens
+from ..quant.rotation import is_power_of_two, rotation_matrix
+from ..kernels.segments import FullSegment, QuantSegment
+from .base import LAYER_ATTR, CompressedCache, CompressedLayer, memory_stats
+
+QUANTIZERS = ("kivi",)
+ROTATIONS = ("none", "keys", "values", "both")
+TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
+ROTATION_DTYPES = (None, "bfloat16")
+CLIP_TARGETS = ("keys", "values", "both")
+TIERS = ("sink", "archive", "warm", "tail")
+_FIELDS = ("kc", "ks", "kz", "vc", "vs", "vz")  # codes, scale, zero of keys and values
+
+
+def _check_nonneg_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+
+
+def _check_bits(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
+        raise ValueError(f"{name} must be an integer in 1..8, got {value!r}")
+
+
+def _check_quant_knobs(opts: Any) -> None:
+    check_choice("key_axis", opts.key_axis, AXES)
+    check_positive_int("group_size", opts.group_size)
+    check_positive_int("value_group_size", opts.value_group_size, allow_none=True)
+    _check_nonneg_int("sink_length", opts.sink_length)
+    check_choice("rotation", opts.rotation, ROTATIONS)
+    check_choice("rotation_dtype", opts.rotation_dtype, ROTATION_DTYPES)
+    if isinstance(opts.clip_ratio, bool) or not isinstance(opts.clip_ratio, (int, float)) or not (
+        0.0 < opts.clip_ratio <= 1.0
+    ):
+        raise ValueError(f"clip_ratio must be a number in (0, 1], got {opts.clip_ratio!r}")
+    opts.clip_ratio = float(opts.clip_ratio)
+    if not isinstance(opts.clip_search, bool):
+        raise ValueError(f"clip_search must be True or False, got {opts.clip_search!r}")
+    check_choice("clip_on", opts.clip_on, CLIP_TARGETS)
+    check_choice("tail_dtype", opts.tail_dtype, TAIL_DTYPES)
+
+
+@dataclass
+class TieredQuantOptions(CacheOptions):
+    """Options of `TieredQuantCache`; every field is JSON-serializable and checked on construction.
+
+    - tail_length: newest tokens always kept in full precision (the tail holds up to `tail_length + group_size - 1`)
+    - warm_length: at least this many tokens before the tail stay at warm_bits (a multiple of group_size;
+      0: no warm tier, tokens go from the tail straight to the archive)
+    - warm_bits / archive_bits: code widths of the two quantized tiers (1..8; 1, 2, 4, 8 unpack by table lookup)
+    - group_size: warm-tier groups: tokens per per-channel key group, channels per value group (at most head_dim);
+      also the unit in which tokens leave the tail
+    - archive_group_size: the same for the archive (a multiple of group_size; None: group_size)
+    - value_group_size: channels per value group in both tiers (None: the tier's group size, at most head_dim)
+    - sink_length: first tokens of the sequence kept in full precision (attention sinks)
+    - archive_quantizer: "kivi"
+    - key_axis: "channel" (KIVI) or "token" (ablation: keys quantized per token like values)
+    - rotation: randomized Hadamard rotation of the head dim before quantizing: "none", "keys", "values" or "both"
+    - rotation_dtype: dtype of the un-rotation matmul at read time (None: float32; "bfloat16": faster on CPUs with
+      bf16 units, its rounding is far below 2-bit quantization noise)
+    - clip_ratio: shrink every group's [min, max] around its midpoint by this factor (1.0: no clipping)
+    - clip_search: pick, per group, the clipping ratio with the smallest squared error (quant.kivi.CLIP_GRID)
+    - clip_on: which tensors clip_ratio / clip_search apply to: "keys", "values" or "both"
+    - tail_dtype: dtype of the unquantized tail and sinks: "auto" (16 bits: the model's dtype if it is fp16/bf16,
+      else float16), None (the model's dtype), or a dtype name
+    """
+
+    tail_length: int = 64
+    warm_length: int = 448
+    warm_bits: int = 4
+    archive_bits: int = 2
+    group_size: int = 32
+    archive_group_size: int | None = 64
+    value_group_size: int | None = None
+    sink_length: int = 4
+    archive_quantizer: str = "kivi"
+    key_axis: str = "channel"
+    rotation: str = "both"
+    rotation_dtype: str | None = "bfloat16"
+    clip_ratio: float = 1.0
+    clip_search: bool = True
+    clip_on: str = "values"
+    tail_dtype: str | None = "auto"
+
+    def validate(self) -> None:
+        _check_nonneg_int("tail_length", self.tail_length)
+        _check_nonneg_int("warm_length", self.warm_length)
+        _check_bits("warm_bits", self.warm_bits)
+        _check_bits("archive_bits", self.archive_bits)
+        check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
+        _check_quant_knobs(self)
+        check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
+        if self.warm_length % self.group_size:
+            raise ValueError(
+                f"warm_length={self.warm_length} must be a multiple of group_size={self.group_size} "
+                "(tokens move between tiers in whole groups)"
+            )
+        if self.archive_group_size is not None and self.archive_group_size % self.group_size:
+            raise ValueError(
+                f"archive_group_size={self.archive_group_size} must be a multiple of group_size={self.group_size}"
+            )
+
+    @property
+    def archive_group(self) -> int:
+        return self.archive_group_size or self.group_size
+
+
+@dataclass
+class KIVIOptions(CacheOptions):
+    """Options of `KIVICache`: a full-precision residual window of `residual_length` tokens and one quantized tier
+    of `bits`-bit codes in groups of `group_size`. The other fields mean what they mean in `TieredQuantOptions`."""
+
+    residual_length: int = 128
+    bits: int = 2
+    group_size: int = 32
+    value_group_size: int | None = None
+    sink_length: int = 0
+    key_axis: str = "channel"
+    rotation: str = "none"
+    rotation_dtype: str | None = None
+    clip_ratio: float = 1.0
+    clip_search: bool = False
+    clip_on: str = "both"
+    tail_dtype: str | None = None
+
+    def validate(self) -> None:
+        _check_nonneg_int("residual_length", self.residual_length)
+        _check_bits("bits", self.bits)
+        _check_quant_knobs(self)
+
+    def as_tiered(self) -> TieredQuantOptions:
+        return TieredQuantOptions(
+            tail_length=self.residual_length, warm_length=0, warm_bits=self.bits, archive_bits=self.bits,
+            group_size=self.group_size, value_group_size=self.value_group_size, sink_length=self.sink_length,
+            key_axis=self.key_axis, rotation=self.rotation, rotation_dtype=self.rotation_dtype,
+            clip_ratio=self.clip_ratio, clip_search=self.clip_search, clip_on=self.clip_on, tail_dtype=self.tail_dtype,
+        )
+
+
+@dataclass
+class _TierSpec:
+    bits: int
+    key_group: int  # tokens per key group (per-channel keys) or channels per key group (per-token keys)
+    value_group: int  # channels per value group
+
+
+class TieredQuantLayer(CompressedLayer):
+    """One layer's archive / warm / tail storage plus the sink overlay (see the module docstring).
+
+    `store` keys: `tail_k`, `tail_v`, `sink_k`, `sink_v` (`[batch, heads, tokens, dim]`), and for each quantized tier
+    (`warm`, `arch`) `{tier}_kc`, `{tier}_vc` (packed codes, `[batch, heads, tokens, packed dim]`) with their fp16
+    `_ks`/`_kz`/`_vs`/`_vz` scales and zeros. Per-channel key scales are `[batch, heads, tokens / group, dim]`: not
+    token-aligned, hence the own `crop`. Reordering and selecting beams only index dim 0 of every stored tensor, which
+    holds the batch everywhere, so `reorder_cache`, `batch_select_indices` and `batch_repeat_interleave` keep the base
+    class's implementation (checked by the tests).
+    """
+
+    options: TieredQuantOptions
+
+    def __init__(self, options: TieredQuantOptions | None = None) -> None:
+        super().__init__(options if options is not None else TieredQuantOptions())
+        self.plan: TieredQuantOptions = self._plan()
+
+    def _plan(self) -> TieredQuantOptions:
+        """The tiered options this layer runs with (KIVI maps its own options onto them)."""
+        return self.options
+
+    # ---- setup --------------------------------------------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        p = self.plan
+        head_dim, value_dim = key_states.shape[-1], value_states.shape[-1]
+        self.specs: dict[str, _TierSpec] = {}
+        for tier, bits, group in (("warm", p.warm_bits, p.group_size), ("arch", p.archive_bits, p.archive_group)):
+            vg = p.value_group_size or min(group, value_dim)
+            kg = group if p.key_axis == "channel" else (p.value_group_size or min(group, head_dim))
+            if value_dim % vg:
+                raise ValueError(f"value_group_size={vg} must divide the value head_dim={value_dim}")
+            if p.key_axis == "token" and head_dim % kg:
+                raise ValueError(f"per-token key groups of {kg} channels must divide head_dim={head_dim}")
+            self.specs[tier] = _TierSpec(bits, kg, vg)
+        rot_k = p.rotation in ("keys", "both")
+        rot_v = p.rotation in ("values", "both")
+        for flag, dim in ((rot_k, head_dim), (rot_v, value_dim)):
+            if flag and not is_power_of_two(dim):
+                raise ValueError(f"rotation={p.rotation!r} needs a power-of-two head_dim, got {dim}")
+        super().lazy_initialization(key_states, value_states)
+        if p.tail_dtype == "auto":
+            self.tail_dtype = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
+        else:
+            self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
+        device = key_states.device
+        self.rot_k = rotation_matrix(head_dim, seed=0, device=device) if rot_k else None
+        self.rot_v = rotation_matrix(value_dim, seed=1, device=device) if rot_v else None
+        self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
+        # the transposes used to un-rotate, once, in the dtype of that matmul
+        self.unrot_k = None if self.rot_k is None else self.rot_k.t().to(self.rot_dtype).contiguous()
+        self.unrot_v = None if self.rot_v is None else self.rot_v.t().to(self.rot_dtype).contiguous()
+
+    def _qargs(self, tier: str) -> tuple[dict, dict]:
+        p, spec = self.plan, self.specs[tier]
+        clip = dict(clip_ratio=p.clip_ratio, clip_search=p.clip_search)
+        k_clip = clip if p.clip_on in ("keys", "both") else {}
+        v_clip = clip if p.clip_on in ("values", "both") else {}
+        return (
+            dict(group_size=spec.key_group, axis=p.key_axis, bits=spec.bits, **k_clip),
+            dict(group_size=spec.value_group, axis="token", bits=spec.bits, **v_clip),
+        )
+
+    # ---- tier bookkeeping ---------------------------------------------------------------------------------------
+    def _count(self, name: str) -> int:
+        t = self.store.get(name)
+        return 0 if t is None else t.shape[2]
+
+    def tokens_held(self) -> int:
+        return self._count("arch_kc") + self._count("warm_kc") + self._count("tail_k")
+
+    def tier_tokens(self) -> dict[str, int]:
+        """Positions each tier serves (a sink position counts as a sink, not in the tier under it)."""
+        sink = self._count("sink_k")
+        out, lo = {"sink": sink}, 0
+        for tier, name in (("archive", "arch_kc"), ("warm", "warm_kc"), ("tail", "tail_k")):
+            hi = lo + self._count(name)
+            out[tier] = hi - lo - max(0, min(hi, sink) - lo)
+            lo = hi
+        return out
+
+    def _get_tier(self, tier: str) -> tuple[KIVIQuantized, KIVIQuantized] | None:
+        s = self.store
+        if f"{tier}_kc" not in s:
+            return None
+        ka, va = self._qargs(tier)
+        k = KIVIQuantized(s[f"{tier}_kc"], s[f"{tier}_ks"], s[f"{tier}_kz"], ka["bits"], ka["group_size"], ka["axis"],
+                          self.head_dim)
+        v = KIVIQuantized(s[f"{tier}_vc"], s[f"{tier}_vs"], s[f"{tier}_vz"], va["bits"], va["group_size"], "token",
+                          self.value_dim)
+        return k, v
+
+    def _set_tier(self, tier: str, k: KIVIQuantized, v: KIVIQuantized) -> None:
+        """Replace a tier by (a slice of) itself; copies, so that no slice keeps the old storage alive."""
+        if k.tokens == 0:
+            for f in _FIELDS:
+                self.store.pop(f"{tier}_{f}", None)
+            return
+        for f, t in zip(_FIELDS, (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)):
+            self.store[f"{tier}_{f}"] = t.clone()
+
+    def _append_tier(self, tier: str, k: KIVIQuantized, v: KIVIQuantized) -> None:
+        s = self.store
+        for f, t in zip(_FIELDS, (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)):
+            name = f"{tier}_{f}"
+            s[name] = torch.cat([s[name], t], dim=2) if name in s else t.contiguous()
+
+    def _set_plain(self, tier: str, k: torch.Tensor, v: torch.Tensor) -> None:
+        if k.shape[2] == 0:
+            self.store.pop(f"{tier}_k", None)
+            self.store.pop(f"{tier}_v", None)
+        else:
+            self.store[f"{tier}_k"], self.store[f"{tier}_v"] = k, v
+
+    # ---- quantize / dequantize ----------------------------------------------------------------------------------
+    def _mask_sinks(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """`x` holds positions `start..`: give its sink positions the values of the first non-sink position (or 0),
+        so that they do not widen their group's range (their real values live in the sink store)."""
+        n_sink = min(self.plan.sink_length, start + x.shape[2]) - start
+        if n_sink <= 0:
+            return x
+        x = x.clone()
+        x[:, :, :n_sink] = x[:, :, n_sink : n_sink + 1] if n_sink < x.shape[2] else 0
+        return x
+
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str):
+        if self.rot_k is not None:
+            keys = keys.float() @ self.rot_k
+        if self.rot_v is not None:
+            values = values.float() @ self.rot_v
+        ka, va = self._qargs(tier)
+        return quantize_kivi(keys, **ka), quantize_kivi(values, **va)
+
+    def _dequantize(self, k: KIVIQuantized, v: KIVIQuantized, rotated: bool = False):
+        """Float32 keys and values of (a slice of) a quantized tier (still rotated when `rotated`)."""
+        keys, values = dequantize_kivi(k), dequantize_kivi(v)
+        if not rotated:  # un-rotated exactly as `_fill` does it, so a reopened group reads back what attention saw
+            dt = self.rot_dtype
+            keys = keys if self.rot_k is None else (keys.to(dt) @ self.unrot_k).float()
+            values = values if self.rot_v is None else (values.to(dt) @ self.unrot_v).float()
+        return keys, values
+
+    # ---- storing ------------------------------------------------------------------------------------------------
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        p, s = self.plan, self.store
+        key_states = key_states.to(self.tail_dtype)
+        value_states = value_states.to(self.tail_dtype)
+        held = self.tokens_held()
+        if held < p.sink_length:
+            m = min(p.sink_length - held, key_states.shape[2])
+            sk, sv = key_states[:, :, :m], value_states[:, :, :m]
+            if "sink_k" in s:
+                sk, sv = torch.cat([s["sink_k"], sk], 2), torch.cat([s["sink_v"], sv], 2)
+            self._set_plain("sink", sk.contiguous(), sv.contiguous())
+        if "tail_k" in s:
+            tail_k, tail_v = torch.cat([s["tail_k"], key_states], 2), torch.cat([s["tail_v"], value_states], 2)
+        else:
+            tail_k, tail_v = key_states.contiguous(), value_states.contiguous()
+        unit = p.group_size if p.warm_length else p.archive_group
+        excess = tail_k.shape[2] - p.tail_length
+        if excess >= unit:
+            m = excess // unit * unit
+            self._graduate(tail_k[:, :, :m], tail_v[:, :, :m])
+            tail_k, tail_v = tail_k[:, :, m:].clone(), tail_v[:, :, m:].clone()
+        self._set_plain("tail", tail_k, tail_v)
+
+    def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""
+        p = self.plan
+        start = self._count("arch_kc") + self._count("warm_kc")
+        keys, values = self._mask_sinks(keys, start), self._mask_sinks(values, start)
+        if p.warm_length == 0:
+            self._append_tier("arch", *self._quantize(keys, values, "arch"))
+            return
+        self._append_tier("warm", *self._quantize(keys, values, "warm"))
+        ga = p.archive_group
+        excess = self._count("warm_kc") - p.warm_length
+        if excess < ga:
+            return
+        m = excess // ga * ga
+        k, v = self._get_tier("warm")
+        old = slice_tokens(k, 0, m), slice_tokens(v, 0, m)
+        self._set_tier("warm", slice_tokens(k, m), slice_tokens(v, m))
+        if self.specs["warm"] == self.specs["arch"]:
+            self._append_tier("arch", *old)
+            return
+        # re-quantized from the warm values (full precision is gone by now), in the rotated basis
+        rk, rv = self._dequantize(*old, rotated=True)
+        ka, va = self._qargs("arch")
+        self._append_tier("arch", quantize_kivi(rk, **ka), quantize_kivi(rv, **va))
+
+    # ---- reading ------------------------------------------------------------------------------------------------
+    def _dequantize_tiers_into(self, out_k: torch.Tensor, out_v: torch.Tensor) -> int:
+        """Dequantize archive then warm into the first positions of `out_k` / `out_v`; returns how many.
+
+        A rotated tensor is dequantized into a contiguous scratch buffer (in `rotation_dtype`) and un-rotated with one
+        matmul over all its tokens, written back into `out`."""
+        tiers = [kv for kv in (self._get_tier("arch"), self._get_tier("warm")) if kv is not None]
+        q = sum(kv[0].tokens for kv in tiers)
+        if not q:
+            return 0
+        for which, out, rot in ((0, out_k, self.unrot_k), (1, out_v, self.unrot_v)):
+            target = out[:, :, :q] if rot is None else torch.empty(
+                *out.shape[:2], q, out.shape[3], dtype=self.rot_dtype, device=out.device
+            )
+            pos = 0
+            for kv in tiers:
+                n = kv[which].tokens
+                dequantize_kivi(kv[which], out=target[:, :, pos : pos + n])
+                pos += n
+            if rot is not None:
+                flat = torch.mm(target.view(-1, target.shape[-1]), rot)
+                out[:, :, :q].copy_(flat.view(target.shape))
+        return q
+
+    def _fill(self, out_k: torch.Tensor, out_v: torch.Tensor) -> int:
+        """Write the held tokens into `out_k[:, :, :held]` / `out_v[...]`; returns the number written."""
+        s = self.store
+        pos = self._dequantize_tiers_into(out_k, out_v)
+        if "tail_k" in s:
+            n = s["tail_k"].shape[2]
+            out_k[:, :, pos : pos + n].copy_(s["tail_k"])
+            out_v[:, :, pos : pos + n].copy_(s["tail_v"])
+            pos += n
+        if "sink_k" in s:
+            n = s["sink_k"].shape[2]
+            out_k[:, :, :n].copy_(s["sink_k"])
+            out_v[:, :, :n].copy_(s["sink_v"])
+        return pos
+
+    def _empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        first = next(iter(self.store.values()))
+        b, h = first.shape[0], first.shape[1]
+        kw = dict(dtype=self.dtype, device=self.device)
+        return torch.empty(b, h, tokens, self.head_dim, **kw), torch.empty(b, h, tokens, self.value_dim, **kw)
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        out_k, out_v = self._empty(self.tokens_held())
+        self._fill(out_k, out_v)
+        return out_k, out_v
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `CompressedLayer.update`, but the past is dequantized straight into the returned buffers."""
+        self._check_states(key_states, value_states)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if self.fused_reader:
+            return self.fused_update(key_states, value_states)
+        held = self.tokens_held()
+        if held > 0:
+            keys, values = self._empty(held + key_states.shape[2])
+            self._fill(keys, values)
+            keys[:, :, held:].copy_(key_states)
+            values[:, :, held:].copy_(value_states)
+        else:
+            keys, values = key_states, value_states
+        self.cumulative_length += key_states.shape[2]
+        self.append(key_states, value_states)
+        setattr(keys, LAYER_ATTR, self)  # lets hf_kvcache's attention function find this layer, as the base does
+        return keys, values
+
+    def attention_segments(self) -> list | None:
+        """sink | archive | warm | tail as segments the fused attention reads in place (no copy); None for the
+        per-token-keys ablation, whose layout the fused kernels do not read."""
+        if self.plan.key_axis != "channel" or self.head_dim != self.value_dim:
+            return None
+        s, segments = self.store, []
+        if "sink_k" in s:
+            segments.append(FullSegment(s["sink_k"], s["sink_v"]))
+        for tier in ("arch", "warm"):
+            kv = self._get_tier(tier)
+            if kv is not None:
+                k, v = kv
+                segments.append(QuantSegment(k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, k.bits, v.bits,
+                                             k.group_size, v.group_size, self.head_dim, self.rot_k, self.rot_v))
+        if "tail_k" in s:
+            segments.append(FullSegment(s["tail_k"], s["tail_v"]))
+        return segments
+
+    # ---- batch / beam contract ----------------------------------------------------------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the newest `-tokens_to_remove` tokens.
+
+        Tail tokens are simply dropped. A crop that reaches into a quantized tier reopens the groups it cuts: their
+        surviving tokens go back to the tail as their dequantized values (and are quantized again when they
+        graduate). Sinks past the new end are dropped too.
+        """
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
+        n = -tokens_to_remove
+        if n == 0 or not self.is_initialized:
+            return
+        held = self.tokens_held()
+        if n > held:
+            raise ValueError(f"cannot crop {n} tokens: this layer holds {held}")
+        self.cumulative_length -= n
+        s = self.store
+        tail = self._count("tail_k")
+        cut = min(n, tail)
+        if cut:
+            self._set_plain("tail", s["tail_k"][:, :, : tail - cut].clone(), s["tail_v"][:, :, : tail - cut].clone())
+            n -= cut
+        for tier in ("warm", "arch"):
+            if n == 0:
+                break
+            kv = self._get_tier(tier)
+            if kv is None:
+                continue
+            g = self.plan.group_size if tier == "warm" else self.plan.archive_group
+            count = kv[0].tokens
+            reopen = min(-(-n // g) * g, count)
+            drop = min(n, reopen)
+            opened = slice_tokens(kv[0], count - reopen), slice_tokens(kv[1], count - reopen)
+            self._set_tier(tier, slice_tokens(kv[0], 0, count - reopen), slice_tokens(kv[1], 0, count - reopen))
+            n -= drop
+            if reopen > drop:  # n is 0 now and the tail is empty: the survivors become the tail
+                k, v = self._dequantize(*opened)
+                keep = reopen - drop
+                dt = self.tail_dtype
+                self._set_plain("tail", k[:, :, :keep].to(dt).contiguous(), v[:, :, :keep].to(dt).contiguous())
+        sink, end = self._count("sink_k"), self.tokens_held()
+        if sink > end:
+            self._set_plain("sink", s["sink_k"][:, :, :end].clone(), s["sink_v"][:, :, :end].clone())
+
+    # ---- accounting ---------------------------------------------------------------------------------------------
+    def tier_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes held and positions served by each tier of this layer."""
+        tokens = self.tier_tokens()
+        prefix = {"sink": "sink_", "archive": "arch_", "warm": "warm_", "tail": "tail_"}
+        return {
+            tier: {
+                "bytes": sum(t.nbytes for name, t in self.store.items() if name.startswith(prefix[tier])),
+                "tokens": tokens[tier],
+            }
+            for tier in TIERS
+        }
+
+
+class KIVILayer(TieredQuantLayer):
+    """Residual window + one quantized tier: the tiered layer without a warm tier."""
+
+    options: KIVIOptions
+
+    def __init__(self, options: KIVIOptions | None = None) -> None:
+        super().__init__(options if options is not None else KIVIOptions())
+
+    def _plan(self) -> TieredQuantOptions:
+        return self.options.as_tiered()
+
+
+class TieredQuantCache(CompressedCache):
+    """Hot tail + 4-bit warm + 2-bit archive (KIVI). `TieredQuantCache(config=model.config, tail_length=64)`."""
+
+    options_class = TieredQuantOptions
+    layer_class = TieredQuantLayer
+
+    def memory_stats(self) -> dict[str, Any]:
+        """`memory_stats` plus `tiers`: bytes (summed over layers) and positions served (per layer) of each tier.
+
+        Layers that are not tiered (sliding-window layers kept as transformers makes them) count in `bytes` only.
+        """
+        stats: dict[str, Any] = memory_stats(self)
+        tiers = {tier: {"bytes": 0, "tokens": 0} for tier in TIERS}
+        for layer in self.layers:
+            if isinstance(layer, TieredQuantLayer):
+                for tier, d in layer.tier_stats().items():
+                    tiers[tier]["bytes"] += d["bytes"]
+                    tiers[tier]["tokens"] = max(tiers[tier]["tokens"], d["tokens"])
+        stats["tiers"] = tiers
+        return stats
+
+
+class KIVICache(TieredQuantCache):
+    """KIVI: `residual_length` newest tokens in full precision, the rest at `bits` (keys per channel)."""
+
+    options_class = KIVIOptions
+    layer_class = KIVILayer

@@ -1,0 +1,28 @@
+"""Eviction policies, one per module: each picks which held tokens a KV head keeps (see `base.EvictionPolicy`)."""
+
+from .base import EvictionPolicy, SlotView
+from .cpac_features import KeyRotation, importance_weight, page_features, threshold_for_pressure
+from .h2o import H2OPolicy
+from .hybrid import HybridPolicy
+from .recent import RecentPolicy
+from .sinks import SinksPolicy
+from .strided import StridedPolicy
+
+POLICIES: dict[str, type[EvictionPolicy]] = {
+    p.name: p for p in (H2OPolicy, RecentPolicy, SinksPolicy, StridedPolicy, HybridPolicy)
+}
+
+__all__ = [
+    "KeyRotation",
+    "importance_weight",
+    "page_features",
+    "threshold_for_pressure",
+    "EvictionPolicy",
+    "SlotView",
+    "POLICIES",
+    "H2OPolicy",
+    "HybridPolicy",
+    "RecentPolicy",
+    "SinksPolicy",
+    "StridedPolicy",
+]

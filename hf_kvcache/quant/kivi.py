@@ -1,0 +1,212 @@
+"""KIVI group quantization (Liu et al. 2024, "KIVI: A Tuning-Free Asymmetric 2bit Quantization for KV Cache").
+
+Tensors are `[..., tokens, dim]` (a cache layer's `[batch, kv_heads, tokens, head_dim]`). Two groupings:
+
+- `axis="channel"` (KIVI's keys): every channel gets its own scale and zero point per group of `group_size`
+  consecutive *tokens*; scale/zero are `[..., tokens // group_size, dim]`. The token count must be a multiple of
+  `group_size`, which is why a cache moves tokens into a per-channel tier in whole groups.
+- `axis="token"` (KIVI's values): every token gets a scale and zero point per group of `group_size` consecutive
+  *channels*; scale/zero are `[..., tokens, dim // group_size]`.
+
+Both are asymmetric min/max: `scale = (max - min) / (2**bits - 1)`, `zero = min`, `code = round((x - zero) / scale)`.
+Scale and zero are stored in fp16 (the scale rounded up, so the group's maximum is never clipped by the rounding).
+Codes are packed along `dim` with `quant.packing` whatever the axis, so codes stay token-aligned: slicing, cropping and
+appending tokens never repacks anything, only the per-channel scales are per group of tokens.
+
+Clipping (optional) shrinks each group's [min, max] around its midpoint by `clip_ratio`; `clip_search=True` tries
+the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error.
+
+Dequantization unpacks with a 256-entry lookup table (byte -> the codes it holds, as floats) for widths that divide 8,
+then applies scale and zero in one fused `addcmul`, optionally straight into a slice of a preallocated output.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .packing import pack_bits, unpack_bits
+from .uniform import _scale_fp16
+
+AXES = ("channel", "token")
+CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
+_SCALE_DTYPE = torch.float16
+_LUTS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
+_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}  # bytes per table row -> that dtype
+
+
+@dataclass
+class KIVIQuantized:
+    """Packed codes `[..., tokens, packed(dim)]` plus fp16 scale and zero (shapes: see the module docstring)."""
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group_size: int
+    axis: str
+    dim: int
+
+    @property
+    def tokens(self) -> int:
+        return self.codes.shape[-2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale, self.zero]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+
+def check_kivi_args(bits: int, group_size: int, axis: str) -> None:
+    if not isinstance(bits, int) or isinstance(bits, bool) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size <= 0:
+        raise ValueError(f"group_size must be a positive integer, got {group_size!r}")
+    if axis not in AXES:
+        raise ValueError(f"axis={axis!r} is not valid; choose one of {list(AXES)}")
+
+
+def _group_view(x: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tensor, int]:
+    """`x` reshaped so one dim holds the elements of a group; returns (view, that dim)."""
+    tokens, dim = x.shape[-2], x.shape[-1]
+    lead = x.shape[:-2]
+    if axis == "channel":
+        if tokens % group_size:
+            raise ValueError(
+                f"per-channel quantization needs whole groups of tokens: got {tokens} tokens, group_size={group_size}"
+            )
+        return x.reshape(*lead, tokens // group_size, group_size, dim), -2
+    if dim % group_size:
+        raise ValueError(f"group_size={group_size} must divide the last dim {dim}; choose a divisor of {dim}")
+    return x.reshape(*lead, tokens, dim // group_size, group_size), -1
+
+
+def _range(g: torch.Tensor, red: int, ratio: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    lo, hi = g.amin(red), g.amax(red)
+    if isinstance(ratio, float) and ratio == 1.0:
+        return lo, hi
+    mid, half = (hi + lo) * 0.5, (hi - lo) * (0.5 * ratio)
+    return mid - half, mid + half
+
+
+def _codes_for(g: torch.Tensor, red: int, lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """fp16 scale/zero for [lo, hi] and the float codes of `g` (unrounded scale kept out of the codes)."""
+    qmax = 2**bits - 1
+    scale = _scale_fp16((hi - lo) / qmax)
+    zero = lo.to(_SCALE_DTYPE)
+    s, z = scale.float().unsqueeze(red), zero.float().unsqueeze(red)
+    q = torch.round((g - z) / s).clamp_(0, qmax)
+    return q, scale, zero, s, z
+
+
+def quantize_kivi(
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    axis: str = "token",
+    clip_ratio: float = 1.0,
+    clip_search: bool = False,
+) -> KIVIQuantized:
+    """Asymmetric min/max quantization of `x` ([..., tokens, dim]) in KIVI groups along `axis`."""
+    check_kivi_args(bits, group_size, axis)
+    if not torch.is_floating_point(x):
+        raise ValueError(f"can only quantize floating-point tensors, got {x.dtype}")
+    if not 0.0 < clip_ratio <= 1.0:
+        raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio!r}")
+    dim = x.shape[-1]
+    g, red = _group_view(x.float(), group_size, axis)
+    if clip_search:
+        best_err = best = None
+        for ratio in CLIP_GRID:
+            r = ratio * clip_ratio
+            lo, hi = _range(g, red, r)
+            q, scale, zero, s, z = _codes_for(g, red, lo, hi, bits)
+            err = (q * s + z - g).square_().sum(red)
+            if best is None:
+                best_err, best = err, (q, scale, zero)
+                continue
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            b = better.unsqueeze(red)
+            best = (torch.where(b, q, best[0]), torch.where(better, scale, best[1]), torch.where(better, zero, best[2]))
+        q, scale, zero = best
+    else:
+        lo, hi = _range(g, red, float(clip_ratio))
+        q, scale, zero, _, _ = _codes_for(g, red, lo, hi, bits)
+    codes = pack_bits(q.to(torch.uint8).reshape(x.shape), bits)
+    return KIVIQuantized(codes, scale.contiguous(), zero.contiguous(), bits, group_size, axis, dim)
+
+
+def _lut(bits: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[256, 8 // bits]: the codes held by each byte value, lowest bits first (the `pack_bits` order)."""
+    key = (bits, device, dtype)
+    lut = _LUTS.get(key)
+    if lut is None:
+        per = 8 // bits
+        byte = torch.arange(256, dtype=torch.int64)
+        shifts = torch.arange(0, 8, bits, dtype=torch.int64)
+        lut = ((byte.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(dtype).reshape(256, per)
+        lut = lut.to(device).contiguous()
+        _LUTS[key] = lut
+    return lut
+
+
+def unpack_float(codes: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The first `n` codes along the last dim of packed `codes`, as floats of `dtype` (float32, or a 16-bit float,
+    which holds every code exactly); a table lookup when 8 % bits == 0."""
+    if 8 % bits:
+        return unpack_bits(codes, bits, n).to(dtype)
+    lut = _lut(bits, codes.device, dtype)
+    idx = codes.reshape(-1).to(torch.int32)
+    wide = _WIDE.get(lut.shape[1] * lut.element_size())
+    if wide is not None:
+        # one table row (the codes a byte holds) viewed as a single 2..16-byte element: a 1-D gather of wide
+        # elements is several times faster than gathering rows of a 2-D table
+        vals = lut.view(wide).reshape(256).index_select(0, idx).view(dtype)
+    else:
+        vals = lut.index_select(0, idx)
+    vals = vals.view(*codes.shape[:-1], codes.shape[-1] * (8 // bits))
+    return vals if vals.shape[-1] == n else vals[..., :n]
+
+
+def dequantize_kivi(
+    q: KIVIQuantized, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The tensor `q` was made from (up to quantization error), `[..., tokens, dim]` in `dtype`.
+
+    With `out` (any tensor of that shape whose last dim is contiguous, e.g. a token slice of a bigger buffer) the
+    result is written there and `out` is returned.
+    """
+    half = out is not None and out.dtype in (torch.float16, torch.bfloat16)
+    vals = unpack_float(q.codes, q.bits, q.dim, out.dtype if half else torch.float32)  # codes are exact either way
+    g, red = _group_view(vals, q.group_size, q.axis)
+    scale, zero = q.scale.float().unsqueeze(red), q.zero.float().unsqueeze(red)
+    if out is None:
+        return torch.addcmul(zero, g, scale).reshape(vals.shape).to(dtype)
+    if out.shape != vals.shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(vals.shape)}")
+    try:
+        target = out.view(g.shape)
+    except RuntimeError:  # a layout that cannot be split into groups without a copy
+        out.copy_(torch.addcmul(zero, g, scale).reshape(vals.shape))
+        return out
+    torch.addcmul(zero, g, scale, out=target)
+    return out
+
+
+def slice_tokens(q: KIVIQuantized, start: int, stop: int | None = None) -> KIVIQuantized:
+    """Tokens `start:stop` of `q` (for `axis="channel"` both must fall on group boundaries)."""
+    n = q.tokens
+    stop = n if stop is None else stop
+    if q.axis == "channel":
+        if start % q.group_size or (stop % q.group_size and stop != n):
+            raise ValueError(f"per-channel groups are {q.group_size} tokens; cannot slice {start}:{stop}")
+        gs, ge = start // q.group_size, -(-stop // q.group_size)
+    else:
+        gs, ge = start, stop
+    return KIVIQuantized(
+        q.codes[..., start:stop, :], q.scale[..., gs:ge, :], q.zero[..., gs:ge, :], q.bits, q.group_size, q.axis, q.dim
+    )

@@ -1,0 +1,315 @@
+"""H2OCache: eviction policies, per-head selection, positions and masks after eviction, padding, beams, crop."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.masking_utils import create_causal_mask
+
+import hf_kvcache
+from hf_kvcache import H2OCache
+from hf_kvcache.caches.h2o import H2OOptions
+from hf_kvcache.policy import POLICIES, SlotView
+
+B, H, D, LAYERS = 2, 2, 16, 2
+
+
+def tiny_config(**kw):
+    return LlamaConfig(
+        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=H, head_dim=D, hidden_size=64,
+        intermediate_size=128, vocab_size=97, **kw,
+    )
+
+
+def step(cache, n, mass=None, visible=None, seed=0):
+    """One forward's worth of cache traffic without a model: update every layer, then report attention."""
+    g = torch.Generator().manual_seed(seed)
+    k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+    for i in range(LAYERS):
+        keys, _ = cache.update(k, v, i)
+        layer = cache.layers[i]
+        layer.observe_visible_keys(visible)
+        m = torch.zeros(B, H, keys.shape[2]) if mass is None else mass(keys.shape[2])
+        layer.observe_attention(m)
+    return k, v
+
+
+def kept_positions(cache, layer=0):
+    return cache.layers[layer].store["positions"].long()
+
+
+# ---- options ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(policy="lru"), "policy='lru' is not valid"),
+        (dict(budget=0), "at least 1 token"),
+        (dict(budget=1.5), r"ratio of the tokens seen, in \(0, 1\]"),
+        (dict(budget="10"), "budget must be an int"),
+        (dict(recent_ratio=0.5, heavy_ratio=0.5), "give at most one of"),
+        (dict(policy="recent", recent_length=8), "keeps the most recent tokens"),
+        (dict(policy="strided", heavy_ratio=0.5), "applies to the h2o and hybrid policies"),
+        (dict(policy="h2o", sink_length=4), "sink_length applies to the sinks and hybrid"),
+        (dict(recent_ratio=2.0), r"recent_ratio must be a number in \[0, 1\]"),
+        (dict(bogus=1), r"unknown option\(s\) \['bogus'\]"),
+    ],
+)
+def test_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        H2OCache(config=tiny_config(), **options)
+
+
+def test_budget_int_or_ratio_and_split():
+    assert H2OOptions(budget=10).budget_for(1000) == 10
+    assert H2OOptions(budget=0.2).budget_for(2048) == 410 and H2OOptions(budget=0.2).budget_for(3) == 1
+    assert H2OOptions(budget=0.25).budget_for(100) == 25
+    assert H2OOptions(recent_length=3).make_policy().split(10) == (0, 3)
+    assert H2OOptions(heavy_ratio=0.3).make_policy().split(10) == (0, 7)
+    assert H2OOptions(policy="hybrid", sink_length=2).make_policy().split(10) == (2, 4)
+    assert H2OOptions(policy="sinks").make_policy().split(10) == (4, 6)
+    assert H2OOptions().to_json() == H2OOptions.from_json(H2OOptions().to_json()).to_json()
+
+
+# ---- eviction -----------------------------------------------------------------------------------------------------
+def test_evicts_to_budget_and_counts_tokens_seen():
+    cache = H2OCache(config=tiny_config(), budget=10)
+    step(cache, 7)
+    assert cache.tokens_held() == 7 and cache.get_seq_length() == 7
+    step(cache, 6, seed=1)
+    assert cache.tokens_held() == 10 and cache.get_seq_length() == 13
+    assert cache.get_mask_sizes(3, 0) == (13, 3)  # held + query, and the held slots sit right before the queries
+    per_slot = 2 * D * 4 + 4 + 4 + 1  # fp32 keys + values, score, position, valid flag
+    assert cache.memory_stats()["bytes"] == LAYERS * B * H * 10 * per_slot
+
+
+def test_each_kv_head_keeps_its_own_heavy_hitters():
+    cache = H2OCache(config=tiny_config(), budget=4, recent_length=1)
+
+    def mass(n):
+        m = torch.zeros(B, H, n)
+        m[:, 0, [1, 3, 5]] = 5.0  # head 0 attends to tokens 1, 3, 5
+        m[:, 1, [0, 2, 6]] = 5.0  # head 1 to tokens 0, 2, 6
+        return m
+
+    k, v = step(cache, 10, mass=mass)
+    pos = kept_positions(cache)
+    assert pos[0, 0].tolist() == [1, 3, 5, 9] and pos[0, 1].tolist() == [0, 2, 6, 9]
+    layer = cache.layers[1]
+    for h in range(H):  # the stored keys/values are the tokens at those positions, for that head
+        idx = pos[1, h]
+        assert torch.equal(layer.store["keys"][1, h], k[1, h, idx])
+        assert torch.equal(layer.store["values"][1, h], v[1, h, idx])
+
+
+def test_scores_accumulate_across_steps():
+    cache = H2OCache(config=tiny_config(), budget=3, recent_length=0)
+    step(cache, 3, mass=lambda n: torch.tensor([1.0, 0.0, 0.5]).expand(B, H, n).clone())
+    step(cache, 1, mass=lambda n: torch.tensor([0.0, 0.6, 0.0, 0.2]).expand(B, H, n).clone())
+    # totals: pos0 1.0, pos1 0.6, pos2 0.5, pos3 0.2 -> keep 0, 1, 2
+    assert kept_positions(cache)[0, 0].tolist() == [0, 1, 2]
+    assert torch.allclose(cache.layers[0].store["scores"][0, 0], torch.tensor([1.0, 0.6, 0.5]))
+
+
+@pytest.mark.parametrize(
+    "policy,options,expected",
+    [
+        ("recent", {}, [12, 13, 14, 15, 16, 17, 18, 19]),
+        ("sinks", {"sink_length": 2}, [0, 1, 14, 15, 16, 17, 18, 19]),
+        ("strided", {"recent_length": 4}, [0, 4, 8, 12, 16, 17, 18, 19]),
+        ("h2o", {"recent_length": 4}, [3, 7, 10, 11, 16, 17, 18, 19]),
+        ("hybrid", {"sink_length": 1, "recent_length": 4}, [0, 7, 10, 11, 16, 17, 18, 19]),
+    ],
+)
+def test_policies(policy, options, expected):
+    cache = H2OCache(config=tiny_config(), budget=8, policy=policy, **options)
+    scores = torch.zeros(20)
+    scores[[3, 7, 10, 11]] = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    step(cache, 20, mass=lambda n: scores.expand(B, H, n).clone())
+    assert kept_positions(cache)[1, 1].tolist() == expected
+
+
+def test_all_policies_registered_and_overridable():
+    assert set(POLICIES) == {"h2o", "recent", "sinks", "strided", "hybrid"}
+
+    class Odd(POLICIES["recent"]):
+        def priority(self, view: SlotView, budget: int):
+            return (view.positions % 2).float()
+
+    view = SlotView(torch.zeros(1, 1, 6), torch.arange(6)[None, None], torch.ones(1, 1, 6, dtype=torch.bool))
+    assert Odd().select(view, 3).tolist() == [[[1, 3, 5]]]
+
+
+def test_padding_is_evicted_first_and_never_a_sink():
+    cache = H2OCache(config=tiny_config(), budget=5, policy="hybrid", sink_length=2, recent_length=2)
+    visible = torch.ones(B, 8, dtype=torch.bool)
+    visible[1, :3] = False  # row 1 is left-padded by 3
+    scores = torch.zeros(8)
+    scores[[0, 1, 2]] = 9.0  # even if padding got mass, it would not count
+    step(cache, 8, mass=lambda n: scores.expand(B, H, n).clone(), visible=visible)
+    pos = kept_positions(cache)
+    assert pos[0, 0].tolist() == [0, 1, 2, 6, 7]
+    assert pos[1, 0].tolist()[:2] == [3, 4] and pos[1, 0].tolist()[-2:] == [6, 7]  # sinks are the first real tokens
+    assert cache.layers[0].store["valid"].all()
+    # a budget larger than the real tokens keeps all of them, padding first, still flagged
+    cache = H2OCache(config=tiny_config(), budget=6, policy="recent")
+    step(cache, 8, visible=visible)
+    assert kept_positions(cache)[1, 0].tolist()[1:] == [3, 4, 5, 6, 7]
+    assert cache.layers[0].store["valid"][1, 0].tolist() == [False] + [True] * 5
+
+
+def test_mask_after_eviction_is_causal_over_held_and_new():
+    """transformers' own mask builder, with the sizes the cache reports, after eviction (and with left padding)."""
+    config = tiny_config()
+    config._attn_implementation = "hf_kvcache"
+    cache = H2OCache(config=config, budget=6, policy="recent")
+    visible = torch.ones(B, 8, dtype=torch.bool)
+    visible[1, :5] = False  # row 1: 5 padding + 3 real tokens -> keeps 3 padding slots in front
+    step(cache, 8, visible=visible)
+    q = 3
+    padding_2d = torch.cat([visible, torch.ones(B, q, dtype=torch.bool)], 1).long()
+    mask = create_causal_mask(config, torch.zeros(B, q, 64), padding_2d, cache, position_ids=torch.arange(8, 11)[None])
+    held = cache.tokens_held()
+    assert mask.shape == (B, 1, q, held + q)
+    new = torch.ones(q, q, dtype=torch.bool).tril()
+    assert mask[0, 0, :, :held].all() and torch.equal(mask[0, 0, :, held:], new)
+    assert torch.equal(mask[1, 0, :, :held], torch.tensor([[False] * 3 + [True] * 3] * q))
+    assert torch.equal(mask[1, 0, :, held:], new)
+    valid = cache.layers[0].store["valid"][1]
+    assert torch.equal(mask[1, 0, 0, :held], valid[0]) and torch.equal(valid[0], valid[1])
+
+
+def test_missing_attention_mass_raises():
+    cache = H2OCache(config=tiny_config(), budget=4)
+    k = torch.randn(B, H, 3, D)
+    cache.update(k, k, 0)
+    with pytest.raises(RuntimeError, match="attn_implementation='hf_kvcache'"):
+        cache.update(k, k, 0)
+
+
+def test_crop_before_and_after_eviction():
+    cache = H2OCache(config=tiny_config(), budget=10)
+    step(cache, 8)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 6 and cache.tokens_held() == 6
+    step(cache, 8, seed=1)
+    with pytest.raises(ValueError, match="cannot crop 1 token.*already evicted 4 of the 14"):
+        cache.crop(-1)
+
+
+def test_beam_and_batch_contract():
+    cache = H2OCache(config=tiny_config(), budget=5)
+    step(cache, 9, mass=lambda n: torch.rand(B, H, n, generator=torch.Generator().manual_seed(3)))
+    keys, pos = cache.layers[1].store["keys"].clone(), kept_positions(cache, 1).clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(cache.layers[1].store["keys"], keys.flip(0)) and torch.equal(kept_positions(cache, 1), pos.flip(0))
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].store["scores"].shape == (4, H, 5)
+    cache.batch_select_indices(torch.tensor([0, 3]))
+    assert torch.equal(cache.layers[1].store["keys"], keys.flip(0))
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.memory_stats()["bytes"] == 0
+
+
+# ---- a tiny random Llama --------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config()).eval()
+
+
+@pytest.mark.parametrize("policy", ["h2o", "recent", "hybrid"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_forward_after_eviction_equals_dense_attention_over_kept_tokens(tiny_model, policy, padded):
+    """Next chunk through H2OCache == a DynamicCache holding exactly the kept keys/values (per head), new tokens at
+    their true positions: masks and RoPE positions stay right after eviction, with and without left padding."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (B, 30), generator=g)
+    am = torch.ones(B, 30, dtype=torch.long)
+    if padded:
+        am[1, :7] = 0
+    cache = H2OCache(config=model.config, budget=9, policy=policy)
+    with torch.inference_mode():
+        positions = (am.cumsum(-1) - 1).clamp(min=0)
+        model(ids[:, :24], attention_mask=am[:, :24], past_key_values=cache, position_ids=positions[:, :24])
+        assert cache.tokens_held() == 9 and cache.get_seq_length() == 24
+        dense = DynamicCache(config=model.config)
+        for i, layer in enumerate(cache.layers):
+            dense.update(layer.store["keys"].clone(), layer.store["values"].clone(), i)
+        valid = cache.layers[0].store["valid"][:, 0].long()
+        pos_ids = positions[:, 24:]
+        out = model(ids[:, 24:], attention_mask=am, past_key_values=cache, position_ids=pos_ids).logits
+        ref_mask = torch.cat([valid, am[:, 24:]], 1)
+        ref = model(ids[:, 24:], attention_mask=ref_mask, past_key_values=dense, position_ids=pos_ids).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_plain_sdpa_model_gets_a_clear_error(tiny_model):
+    model = tiny_model
+    model.set_attn_implementation("sdpa")
+    cache = H2OCache(config=model.config, budget=4)
+    ids = torch.randint(0, 97, (1, 6))
+    with torch.inference_mode():
+        model(ids, past_key_values=cache)
+        with pytest.raises(RuntimeError, match="only the 'hf_kvcache' attention reports"):
+            model(ids[:, :1], past_key_values=cache)
+
+
+# ---- the real model -------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_generate_by_name_switches_attention(smol, pydoc_text):
+    from hf_kvcache.eval import load_tokens
+
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, pydoc_text, 0, 60)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
+    try:
+        out = model.generate(ids, cache_implementation="h2o", cache_config={"budget": 24}, return_dict_in_generate=True, **kw)
+        assert model.config._attn_implementation == "hf_kvcache"
+        cache = out.past_key_values
+        assert isinstance(cache, H2OCache) and cache.tokens_held() == 24 and cache.get_seq_length() == 67
+        # a budget that keeps everything generates exactly what the dynamic cache does
+        full = model.generate(ids, cache_implementation="h2o", cache_config={"budget": 1.0}, **kw)
+        model.set_attn_implementation("sdpa")
+        assert torch.equal(full, model.generate(ids, **kw))
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.slow
+def test_left_padded_batch_equals_each_alone(smol, pydoc_text, moby_text):
+    from hf_kvcache.eval import load_tokens
+
+    model, tok = smol
+    tok.padding_side = "left"
+    prompts = [tok.decode(load_tokens(tok, pydoc_text, 0, 12)[0]), tok.decode(load_tokens(tok, moby_text, 5000, 37)[0])]
+    kw = dict(max_new_tokens=8, do_sample=False, cache_implementation="h2o", pad_token_id=tok.pad_token_id,
+              cache_config={"budget": 10, "policy": "hybrid"})
+    try:
+        batch = tok(prompts, return_tensors="pt", padding=True)
+        together = model.generate(**batch, **kw)
+        width = batch.input_ids.shape[1]
+        for i, prompt in enumerate(prompts):
+            alone = tok(prompt, return_tensors="pt")
+            out = model.generate(**alone, **kw)
+            assert torch.equal(together[i, width:], out[0, alone.input_ids.shape[1]:])
+    finally:
+        model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.slow
+def test_beam_search_and_crop_error(smol, pydoc_text):
+    from hf_kvcache.eval import load_tokens
+
+    model, tok = smol
+    ids = load_tokens(tok, pydoc_text, 0, 24)
+    try:
+        out = model.generate(ids, cache_implementation="h2o", cache_config={"budget": 12}, num_beams=2,
+                             max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        assert out.shape == (1, 28)
+        with pytest.raises(ValueError, match="H2OCache cannot crop"):
+            model.generate(ids, cache_implementation="h2o", cache_config={"budget": 12}, prompt_lookup_num_tokens=3,
+                           max_new_tokens=6, do_sample=False)
+    finally:
+        model.set_attn_implementation("sdpa")

@@ -1,0 +1,180 @@
+import pytest
+import torch
+
+from hf_kvcache.quant import pack_bits, packed_length, unpack_bits
+from hf_kvcache.quant.kivi import (
+    KIVIQuantized,
+    dequantize_kivi,
+    quantize_kivi,
+    slice_tokens,
+    unpack_float,
+)
+from hf_kvcache.quant.rotation import fast_hadamard_transform, hadamard_matrix, rotate, rotation_matrix, unrotate
+
+
+def reference_kivi(x: torch.Tensor, bits: int, group: int, axis: str):
+    """Group by group with plain loops: (codes [T, D] uint8, scale, zero) for a [T, D] tensor."""
+    T, D = x.shape
+    qmax = 2**bits - 1
+    codes = torch.zeros(T, D, dtype=torch.uint8)
+    if axis == "channel":
+        scale = torch.zeros(T // group, D, dtype=torch.float16)
+        zero = torch.zeros(T // group, D, dtype=torch.float16)
+        groups = [(gi, d, slice(gi * group, (gi + 1) * group), d) for gi in range(T // group) for d in range(D)]
+    else:
+        scale = torch.zeros(T, D // group, dtype=torch.float16)
+        zero = torch.zeros(T, D // group, dtype=torch.float16)
+        groups = [(t, gi, t, slice(gi * group, (gi + 1) * group)) for t in range(T) for gi in range(D // group)]
+    for i, j, rows, cols in groups:
+        g = x[rows, cols].float()
+        lo, hi = g.min(), g.max()
+        s = ((hi - lo) / qmax).clamp_min(1e-6)
+        s16 = s.to(torch.float16)
+        if s16.float() < s:  # rounded up, never down
+            s16 = torch.nextafter(s16, torch.tensor(float("inf"), dtype=torch.float16))
+        z16 = lo.to(torch.float16)
+        scale[i, j], zero[i, j] = s16, z16
+        codes[rows, cols] = torch.round((g - z16.float()) / s16.float()).clamp(0, qmax).to(torch.uint8)
+    return codes, scale, zero
+
+
+@pytest.mark.parametrize("axis", ["channel", "token"])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_matches_loop_reference(axis, bits):
+    torch.manual_seed(0)
+    x = torch.randn(64, 32) * torch.linspace(0.1, 4, 32)
+    q = quantize_kivi(x, bits, 16, axis)
+    codes, scale, zero = reference_kivi(x, bits, 16, axis)
+    assert torch.equal(q.scale, scale) and torch.equal(q.zero, zero)
+    assert torch.equal(unpack_bits(q.codes, bits, 32), codes)
+    expected = codes.float().reshape(q.codes.shape[0], -1)
+    if axis == "channel":
+        expected = (expected.view(4, 16, 32) * scale.float()[:, None] + zero.float()[:, None]).view(64, 32)
+    else:
+        expected = (expected.view(64, 2, 16) * scale.float()[..., None] + zero.float()[..., None]).view(64, 32)
+    assert torch.allclose(dequantize_kivi(q), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits,per_byte", [(1, 8), (2, 4), (4, 2), (8, 1)])
+def test_codes_are_really_packed(bits, per_byte):
+    x = torch.randn(2, 3, 32, 64)
+    q = quantize_kivi(x, bits, 32, "channel")
+    assert q.codes.dtype == torch.uint8 and q.codes.shape == (2, 3, 32, 64 // per_byte)
+    assert q.scale.dtype == torch.float16 and q.zero.dtype == torch.float16
+    assert q.scale.shape == (2, 3, 1, 64)  # one scale per channel per 32-token group
+
+
+def test_three_bit_packs_eight_codes_in_three_bytes():
+    torch.manual_seed(1)
+    x = torch.randn(4, 64)
+    q = quantize_kivi(x, 3, 32, "token")
+    assert q.codes.shape == (4, packed_length(64, 3)) == (4, 24)
+    step = q.scale.float().repeat_interleave(32, -1)
+    assert ((dequantize_kivi(q) - x).abs() <= step / 2 + 1e-5).all()
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
+def test_lookup_table_unpack_equals_shift_unpack(bits):
+    codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8)
+    packed = pack_bits(codes, bits)
+    assert torch.equal(unpack_float(packed, bits, 64), codes.float())
+
+
+def test_error_within_half_step_and_range_kept():
+    torch.manual_seed(2)
+    x = torch.randn(2, 3, 64, 64) * 3 + 1
+    for axis in ("channel", "token"):
+        q = quantize_kivi(x, 2, 32, axis)
+        y = dequantize_kivi(q)
+        s = q.scale.float()
+        step = s.repeat_interleave(32, -2) if axis == "channel" else s.repeat_interleave(32, -1)
+        assert ((y - x).abs() <= step / 2 + 1e-4).all()
+
+
+def test_per_channel_keys_beat_per_token_on_outlier_channels():
+    """KIVI's reason to quantize keys per channel: a few channels carry large magnitudes."""
+    torch.manual_seed(3)
+    x = torch.randn(1, 2, 128, 64)
+    x[..., 5] = x[..., 5] * 20 + 30
+    x[..., 40] *= 15
+    normal = [c for c in range(64) if c not in (5, 40)]
+    err = {}
+    for axis in ("channel", "token"):
+        y = dequantize_kivi(quantize_kivi(x, 2, 32, axis))
+        err[axis] = ((y - x)[..., normal].norm() / x[..., normal].norm()).item()
+    assert err["channel"] < 0.5 * err["token"], err  # per token, the outliers' groups lose the ordinary channels
+
+
+def test_per_token_beats_per_channel_on_outlier_tokens():
+    torch.manual_seed(4)
+    x = torch.randn(1, 2, 128, 64)
+    x[:, :, ::16] *= 25
+    err = {a: ((dequantize_kivi(quantize_kivi(x, 2, 32, a)) - x).norm() / x.norm()).item() for a in ("channel", "token")}
+    assert err["token"] < err["channel"], err
+
+
+def test_clip_search_never_worse_than_min_max():
+    torch.manual_seed(5)
+    x = torch.randn(2, 3, 64, 64) ** 3  # heavy tails: clipping pays
+    plain = (dequantize_kivi(quantize_kivi(x, 2, 32, "token")) - x).square().sum()
+    clipped = (dequantize_kivi(quantize_kivi(x, 2, 32, "token", clip_search=True)) - x).square().sum()
+    assert clipped < plain
+
+
+def test_dequantize_into_a_slice_of_a_bigger_buffer():
+    torch.manual_seed(6)
+    x = torch.randn(2, 3, 64, 64)
+    for axis in ("channel", "token"):
+        q = quantize_kivi(x, 4, 32, axis)
+        buf = torch.full((2, 3, 100, 64), 7.0)
+        out = dequantize_kivi(q, out=buf[:, :, 10:74])
+        assert torch.equal(out, dequantize_kivi(q)) and torch.equal(buf[:, :, 10:74], dequantize_kivi(q))
+        assert (buf[:, :, :10] == 7).all() and (buf[:, :, 74:] == 7).all()
+
+
+def test_slice_tokens_keeps_whole_groups():
+    x = torch.randn(1, 1, 96, 64)
+    q = quantize_kivi(x, 2, 32, "channel")
+    tail = slice_tokens(q, 32)
+    assert isinstance(tail, KIVIQuantized) and tail.tokens == 64 and tail.scale.shape[-2] == 2
+    assert torch.equal(dequantize_kivi(tail), dequantize_kivi(q)[:, :, 32:])
+    with pytest.raises(ValueError, match="per-channel groups are 32 tokens"):
+        slice_tokens(q, 16)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(bits=9, group_size=32, axis="token"), "bits must be an integer in 1..8"),
+        (dict(bits=2, group_size=0, axis="token"), "group_size must be a positive integer"),
+        (dict(bits=2, group_size=32, axis="tokens"), r"axis='tokens' is not valid; choose one of \['channel', 'token'\]"),
+        (dict(bits=2, group_size=48, axis="token"), "must divide the last dim 64"),
+        (dict(bits=2, group_size=32, axis="channel"), "needs whole groups of tokens: got 40 tokens"),
+        (dict(bits=2, group_size=32, axis="token", clip_ratio=1.5), r"clip_ratio must be in \(0, 1\]"),
+    ],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantize_kivi(torch.randn(40, 64), **kwargs)
+
+
+def test_rotation_is_orthogonal_and_inverts():
+    r = rotation_matrix(64)
+    assert torch.allclose(r @ r.t(), torch.eye(64), atol=1e-6)
+    x = torch.randn(2, 3, 5, 64)
+    assert torch.allclose(unrotate(rotate(x, r), r), x, atol=1e-5)
+    h = hadamard_matrix(8)
+    assert torch.equal(h @ h.t(), 8 * torch.eye(8))
+    assert torch.allclose(fast_hadamard_transform(x), x @ hadamard_matrix(64) / 8, atol=1e-5)
+    with pytest.raises(ValueError, match="power-of-two"):
+        hadamard_matrix(48)
+
+
+def test_rotation_spreads_an_outlier_channel():
+    torch.manual_seed(7)
+    x = torch.randn(1, 1, 64, 64)
+    x[..., 3] *= 30
+    r = rotation_matrix(64)
+    plain = (dequantize_kivi(quantize_kivi(x, 2, 64, "token")) - x).norm()
+    rotated = (unrotate(dequantize_kivi(quantize_kivi(rotate(x, r), 2, 64, "token")), r) - x).norm()
+    assert rotated < plain

@@ -1,0 +1,105 @@
+"""SmolLM2-135M with the tiered and KIVI caches: generate() paths and perplexity on real text."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import hf_kvcache
+from hf_kvcache import KIVICache, TieredQuantCache
+from hf_kvcache.caches.tiered import TieredQuantLayer
+from hf_kvcache.eval import load_tokens, streaming_perplexity
+
+pytestmark = pytest.mark.slow
+
+# small tiers, so that a short prompt already fills all of them
+SMALL = {"tail_length": 16, "warm_length": 32, "group_size": 16, "archive_group_size": 16, "sink_length": 4}
+SMALL_KIVI = {"residual_length": 16, "group_size": 16, "sink_length": 4}
+
+
+@pytest.mark.parametrize("name,options,cls", [("tiered", SMALL, TieredQuantCache), ("kivi", SMALL_KIVI, KIVICache)])
+def test_generate_by_name_equals_past_key_values(smol, pydoc_text, name, options, cls):
+    model, tok = smol
+    ids = load_tokens(tok, pydoc_text, 0, 90)
+    kw = dict(max_new_tokens=10, min_new_tokens=10, do_sample=False)
+    by_name = model.generate(ids, cache_implementation=name, cache_config=dict(options), return_dict_in_generate=True,
+                             **kw)
+    cache = hf_kvcache.build_cache(name, model.config, **options)
+    by_object = model.generate(ids, past_key_values=cache, **kw)
+    assert isinstance(by_name.past_key_values, cls) and by_name.past_key_values.options == cache.options
+    assert torch.equal(by_name.sequences, by_object) and by_object.shape[1] == 100
+    tiers = cache.memory_stats()["tiers"]
+    assert tiers["archive"]["tokens"] > 0 and tiers["sink"]["tokens"] == 4
+
+
+def test_short_prompt_in_an_exact_tail_generates_like_dynamic(smol, pydoc_text):
+    """A 52-token generation stays in the tail; kept in the model's dtype it gives DynamicCache's tokens."""
+    model, tok = smol
+    ids = load_tokens(tok, pydoc_text, 0, 40)
+    kw = dict(max_new_tokens=12, do_sample=False)
+    out = model.generate(ids, cache_implementation="tiered", cache_config={"tail_dtype": None}, **kw)
+    assert torch.equal(out, model.generate(ids, **kw))
+
+
+def test_perplexity_close_to_dynamic(smol, moby_text):
+    model, tok = smol
+    ids = load_tokens(tok, moby_text, 5000, 512)
+    ref = streaming_perplexity(model, ids, DynamicCache(config=model.config), 32)
+    # small tiers: most of the 512 tokens end up in the 2-bit archive
+    cache = TieredQuantCache(config=model.config, tail_length=32, warm_length=64, group_size=32, sink_length=4)
+    res = streaming_perplexity(model, ids, cache, 32)
+    stats = cache.memory_stats()
+    assert stats["tiers"]["archive"]["tokens"] >= 350
+    assert abs(res.perplexity / ref.perplexity - 1) < 0.10, (res.perplexity, ref.perplexity)
+    assert res.ratio > 2.5
+
+
+def test_left_padded_batch(smol, pydoc_text, moby_text):
+    model, tok = smol
+    tok.padding_side = "left"
+    prompts = [tok.decode(load_tokens(tok, pydoc_text, 0, 30)[0]), tok.decode(load_tokens(tok, moby_text, 5000, 70)[0])]
+    batch = tok(prompts, return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
+    # a tail longer than the prompts + new tokens: no token is quantized, so the rows must equal each prompt alone
+    exact = dict(cache_implementation="tiered", cache_config={"tail_length": 128, "tail_dtype": None}, **kw)
+    together = model.generate(**batch, **exact)
+    width = batch.input_ids.shape[1]
+    for i, prompt in enumerate(prompts):
+        alone = tok(prompt, return_tensors="pt")
+        out = model.generate(**alone, **exact)
+        assert torch.equal(together[i, width:], out[0, alone.input_ids.shape[1]:])
+    # quantizing tiers: runs, keeps the batch, and holds real 2-bit groups for both rows
+    out = model.generate(**batch, cache_implementation="tiered", cache_config=dict(SMALL), return_dict_in_generate=True,
+                         **kw)
+    assert out.sequences.shape == (2, width + 8)
+    layer = out.past_key_values.layers[0]
+    assert layer.store["arch_kc"].shape[0] == 2 and layer.store["arch_kc"].shape[-1] == 64 // 4
+
+
+@pytest.mark.parametrize("name,options", [("tiered", SMALL), ("kivi", SMALL_KIVI)])
+def test_beam_search(smol, pydoc_text, name, options):
+    model, tok = smol
+    ids = load_tokens(tok, pydoc_text, 0, 70)
+    out = model.generate(ids, cache_implementation=name, cache_config=dict(options), num_beams=3, max_new_tokens=6,
+                         min_new_tokens=6, do_sample=False)
+    assert out.shape == (1, 76)
+
+
+def test_prompt_lookup_decoding_crops_the_tail(smol, pydoc_text, monkeypatch):
+    model, tok = smol
+    text = " ".join([tok.decode(load_tokens(tok, pydoc_text, 0, 30)[0])] * 3)  # repetitive: candidates get accepted
+    ids = tok(text, return_tensors="pt").input_ids
+    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, cache_implementation="tiered",
+              cache_config=dict(SMALL))
+    crops = []
+    original = TieredQuantLayer.crop
+
+    def spy(self, tokens_to_remove):
+        crops.append(tokens_to_remove)
+        return original(self, tokens_to_remove)
+
+    monkeypatch.setattr(TieredQuantLayer, "crop", spy)
+    out = model.generate(ids, prompt_lookup_num_tokens=4, **kw)
+    monkeypatch.undo()
+    ref = model.generate(ids, **kw)
+    assert out.shape == ref.shape and crops  # every verified candidate block ends with a crop (0 if all accepted)
+    assert torch.equal(out[0, : ids.shape[1] + 1], ref[0, : ids.shape[1] + 1])
