@@ -160,11 +160,11 @@ def with_delta(rows: list[dict], base_ppl: float) -> list[dict]:
     return rows
 
 
-def pressure_section(model, ids, chunk: int, log) -> list[dict]:
-    rows = [stream_row(model, ids, "dynamic", {}, "dynamic (fp32)", chunk)]
+def pressure_section(model, ids, chunk: int, run, log) -> list[dict]:
+    rows = [run("dynamic", {}, "dynamic (fp32)")]
     base = rows[0]["perplexity"]
     for name in ("int8", "fp8", "int4"):
-        rows.append(stream_row(model, ids, name, {}, name, chunk))
+        rows.append(run(name, {}, name))
         log(with_delta(rows[-1:], base))
     have_h2o = "h2o" in cache_names() and getattr(model.config, "_attn_implementation", None) == "hf_kvcache"
     per_token = h2o_bytes_per_token(model, ids, chunk) if have_h2o else None
@@ -173,29 +173,29 @@ def pressure_section(model, ids, chunk: int, log) -> list[dict]:
     heads = model.config.num_key_value_heads
     layers = model.config.num_hidden_layers
     for p in PRESSURES:
-        row = stream_row(model, ids, "cpac", {"pressure": p}, f"cpac pressure={p}", chunk)
+        row = run("cpac", {"pressure": p}, f"cpac pressure={p}")
         rows.append(row)
         log(with_delta(rows[-1:], base))
         if per_token:
             budget = max(1, round(row["bytes"] / (per_token * layers * heads)))
-            rows.append(stream_row(model, ids, "h2o", {"budget": budget}, f"h2o same bytes (budget={budget})", chunk))
+            rows.append(run("h2o", {"budget": budget}, f"h2o same bytes (budget={budget})"))
             log(with_delta(rows[-1:], base))
     for b in BUDGETS:
-        rows.append(stream_row(model, ids, "cpac", {"memory_budget": b}, f"cpac memory_budget={b}", chunk))
+        rows.append(run("cpac", {"memory_budget": b}, f"cpac memory_budget={b}"))
         log(with_delta(rows[-1:], base))
     return with_delta(rows, base)
 
 
-def curve_section(model, ids, chunk: int, only: list[str] | None, log, extra: tuple[str, ...] = ()) -> list[dict]:
-    rows = [stream_row(model, ids, "dynamic", {}, "dynamic (fp32)", chunk)]
+def curve_section(run, only: list[str] | None, log, extra: tuple[str, ...] = ()) -> list[dict]:
+    rows = [run("dynamic", {}, "dynamic (fp32)")]
     base = rows[0]["perplexity"]
     for name in extra:  # other registered caches, as reference points on the curve
-        rows.append(stream_row(model, ids, name, {}, name, chunk))
+        rows.append(run(name, {}, name))
         log(with_delta(rows[-1:], base))
     for label, options in CURVE:
         if only and not any(fnmatch.fnmatch(label, pat) for pat in only):
             continue
-        rows.append(stream_row(model, ids, "cpac", options, label, chunk))
+        rows.append(run("cpac", options, label))
         log(with_delta(rows[-1:], base))
     return with_delta(rows, base)
 
@@ -393,6 +393,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-caches", nargs="*", default=[], help="other caches to put on the curve (e.g. int4)")
     parser.add_argument("--json", default=None, help="write every row to this file")
     parser.add_argument("--from-json", default=None, help="print the tables of an earlier --json run, run nothing")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the streaming runs already saved in --json (it is rewritten after every run)")
     args = parser.parse_args(argv)
     if args.from_json:
         with open(args.from_json) as f:
@@ -414,13 +416,30 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  .. {r['label']}: ppl {r['perplexity']:.3f} ({r.get('delta_pct', 0):+.2f}%) "
                   f"ratio {r['ratio']:.2f}x  {r['seconds']:.0f}s", flush=True)
 
+    saved = {}
+    if args.resume and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            saved = {(sec, r["label"]): r for sec, rows in json.load(f).items() for r in rows}
+    progress: dict[str, list] = {}
+
+    def runner(section: str):
+        def run(name: str, options: dict, label: str) -> dict:
+            row = saved.get((section, label)) or stream_row(model, ids, name, options, label, args.chunk)
+            progress.setdefault(section, []).append(row)
+            if args.json:  # a killed run loses at most the run in flight
+                with open(args.json, "w") as f:
+                    json.dump(progress, f, indent=2, default=str)
+            return row
+
+        return run
+
     out = {}
     if "pressure" in args.sections:
-        out["pressure"] = pressure_section(model, ids, args.chunk, log)
+        out["pressure"] = pressure_section(model, ids, args.chunk, runner("pressure"), log)
     if "similarity" in args.sections:
         out["similarity"] = similarity_section(model, ids, args.chunk)
     if "curve" in args.sections:
-        out["curve"] = curve_section(model, ids, args.chunk, args.only, log, tuple(args.extra_caches))
+        out["curve"] = curve_section(runner("curve"), args.only, log, tuple(args.extra_caches))
     if "timing" in args.sections:
         variants = [("paper defaults (8-bit, p0.9)", {"pressure": 0.9}),
                     ("p0.9 b4", {"pressure": 0.9, "delta_bits": 4}),

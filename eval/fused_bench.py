@@ -27,9 +27,9 @@ from .kernel_bench import cpu_peak_bytes, gpu_peak_bytes
 from hf_kvcache.caches.base import memory_stats
 
 
-def variants(tiered_options: dict) -> list[tuple[str, str, CacheSpec]]:
+def variants(tiered_options: dict, peers: bool = True) -> list[tuple[str, str, CacheSpec]]:
     out = [("DynamicCache", "sdpa", CacheSpec("dynamic"))]
-    if importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
+    if peers and importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto"):
         out.append(("HF QuantizedCache quanto 2-bit", "sdpa", CacheSpec("hf-quanto", {"nbits": 2, "q_group_size": 32,
                                                                                       "axis_key": 0, "axis_value": 0})))
     out.append(("tiered, dequantize + SDPA", "sdpa", CacheSpec("tiered", tiered_options)))
@@ -71,6 +71,7 @@ def main(argv=None) -> None:
     p.add_argument("--chunk", type=int, default=512)
     p.add_argument("--tiered", default="{}", help="JSON options of the tiered cache")
     p.add_argument("--device", default=None)
+    p.add_argument("--no-peers", action="store_true", help="skip transformers' QuantizedCache")
     args = p.parse_args(argv)
     import json
 
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
     print(f"model={args.model} device={device} context={args.context} tokens, {args.steps} timed decode steps")
     print(f"{'variant':34s} {'tok/s':>8s} {'step peak MB':>13s} {'cache MB':>9s} {'vs fp16':>8s}")
     rows = []
-    for name, attn, spec in variants(json.loads(args.tiered)):
+    for name, attn, spec in variants(json.loads(args.tiered), peers=not args.no_peers):
         r = measure(model, spec, attn, ids, args.context, args.steps, args.chunk)
         rows.append((name, r))
         print(f"{name:34s} {r['tokens_per_s']:8.2f} {r['step_peak_bytes'] / 2**20:13.2f} "

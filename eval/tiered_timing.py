@@ -136,8 +136,6 @@ def decode_speed(texts: list[str], cached: int = 2048, steps: int = 8, rounds: i
 
 
 def main(argv: list[str] | None = None) -> int:
-    import json
-
     import hf_kvcache  # noqa: F401
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -199,6 +199,8 @@ def test_kivi_cache_has_two_tiers():
     cache = KIVICache(config=tiny_config(), residual_length=32, group_size=16)
     feed(cache, [100])
     assert cache.layers[0].tier_tokens() == {"sink": 0, "archive": 64, "warm": 0, "tail": 36}
+    assert cache.layers[0].store["arch_ks"].shape[2] == 64 // 16  # KIVI: one group size, 16 tokens per key group
+    assert cache.layers[0].store["arch_vs"].shape[3] == D // 16 and cache.layers[0].store["tail_k"].dtype == torch.float32
     assert cache.layers[0].store["arch_kc"].shape[-1] == D // 4
     assert isinstance(build_cache("kivi", tiny_config()), KIVICache)
     assert isinstance(build_cache("tiered", tiny_config()), TieredQuantCache)
