@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .segments import FullSegment, QuantSegment, Segment
+from .segments import FullSegment, QuantSegment, Segment, split_overlays
 
 NEG_INF = float("-inf")
 
@@ -116,6 +116,7 @@ def decode_attention(
     probability each key received, summed over the query heads of its KV group and the query positions.
     """
     b, hq, q_len, d = query.shape
+    segments, overlays = split_overlays(segments)
     kv_heads = (segments[0].keys if isinstance(segments[0], FullSegment) else segments[0].k_codes).shape[1]
     group = hq // kv_heads
     scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
@@ -127,9 +128,12 @@ def decode_attention(
     for seg in segments:
         stop = start + seg.tokens
         cmask = _column_mask(attention_mask, start, stop, q_len, total, causal_tail=isinstance(seg, FullSegment))
+        hidden = _overlaid_columns(overlays, start, stop, query.device)
         if isinstance(seg, QuantSegment):
             seg.check()
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
+            if hidden is not None:
+                key_valid = ~hidden.expand(b, -1) if key_valid is None else key_valid & ~hidden
             q_seg = q if seg.k_rotation is None else q @ seg.k_rotation.float()
             if use_triton:
                 from .triton_decode import quant_partial_triton
@@ -142,13 +146,37 @@ def decode_attention(
             partials.append((m, l, acc))
             spans.append((seg, start, stop, key_valid))
         else:
+            if hidden is not None:
+                cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
             rm = _rows_mask(cmask, group)
             partials.append(_full_partial(q, seg, rm))
             spans.append((seg, start, stop, rm))
         start = stop
+    overlay_spans = []
+    for o in overlays:
+        cmask = _column_mask(attention_mask, o.overlay_at, o.overlay_at + o.tokens, q_len, total, causal_tail=False)
+        rm = _rows_mask(cmask, group)
+        partials.append(_full_partial(q, o, rm))
+        overlay_spans.append((o, o.overlay_at, o.overlay_at + o.tokens, rm))
     out, lse = _merge(partials)
-    mass = _mass(q, spans, lse, block, use_triton, q_len) if return_mass else None
+    mass = None
+    if return_mass:
+        mass = _mass(q, spans, lse, block, use_triton, q_len)
+        for o, o_start, o_stop, rm in overlay_spans:
+            mass[..., o_start:o_stop] += _mass(q, [(o, o_start, o_stop, rm)], lse, block, use_triton, q_len)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _overlaid_columns(overlays: list[FullSegment], start: int, stop: int, device) -> torch.Tensor | None:
+    """Boolean [stop - start]: columns of [start, stop) some overlay replaces; None when none does."""
+    hidden = None
+    for o in overlays:
+        lo, hi = max(start, o.overlay_at), min(stop, o.overlay_at + o.tokens)
+        if lo < hi:
+            if hidden is None:
+                hidden = torch.zeros(stop - start, dtype=torch.bool, device=device)
+            hidden[lo - start : hi - start] = True
+    return hidden
 
 
 def _mass(q, spans, lse, block, use_triton, q_len):
@@ -178,12 +206,16 @@ def _mass(q, spans, lse, block, use_triton, q_len):
 
 def reference_attention(query, segments, attention_mask=None, scaling=None):
     """Dequantize everything, repeat KV heads, plain softmax attention: what the fused paths must match."""
+    segments, overlays = split_overlays(segments)
     keys, values = [], []
     for seg in segments:
         k, v = (seg.keys.float(), seg.values.float()) if isinstance(seg, FullSegment) else seg.dequantize(unrotate=True)
         keys.append(k)
         values.append(v)
     k, v = torch.cat(keys, 2), torch.cat(values, 2)
+    for o in overlays:
+        k[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.keys.float()
+        v[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.values.float()
     b, hq, q_len, d = query.shape
     group = hq // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

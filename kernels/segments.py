@@ -4,6 +4,9 @@ A `QuantSegment` holds KIVI-style codes (keys per channel in groups of `k_group`
 `v_group` channels, asymmetric: x = code * scale + zero). Codes of one token are packed along the channel dim as a
 little-endian bit stream (`hf_kvcache.quant.packing.pack_bits` layout, for every width 1..8): code `d` sits at bit
 `bits * d`. A `FullSegment` holds plain keys/values. Both are `[batch, kv_heads, tokens, ...]`.
+
+A `FullSegment` with `overlay_at` set is an overlay: it does not add positions, it replaces what the other segments
+hold at positions `[overlay_at, overlay_at + tokens)` (full-precision attention sinks laid over a quantized tier).
 """
 
 from __future__ import annotations
@@ -74,6 +77,7 @@ class QuantSegment:
 class FullSegment:
     keys: torch.Tensor  # [B, H, T, D]
     values: torch.Tensor
+    overlay_at: int | None = None  # set: an overlay of positions [overlay_at, overlay_at + tokens)
 
     @property
     def tokens(self) -> int:
@@ -81,3 +85,20 @@ class FullSegment:
 
 
 Segment = QuantSegment | FullSegment
+
+
+def split_overlays(segments: list[Segment]) -> tuple[list[Segment], list[FullSegment]]:
+    """(the segments in key order, the overlays); checks that every overlay lies inside the positions held."""
+    ordered = [s for s in segments if not (isinstance(s, FullSegment) and s.overlay_at is not None)]
+    overlays = [s for s in segments if isinstance(s, FullSegment) and s.overlay_at is not None]
+    total = sum(s.tokens for s in ordered)
+    for o in overlays:
+        if o.overlay_at < 0 or o.overlay_at + o.tokens > total:
+            raise ValueError(f"an overlay of positions [{o.overlay_at}, {o.overlay_at + o.tokens}) lies outside the "
+                             f"{total} positions the segments hold")
+    return ordered, overlays
+
+
+def positions_held(segments: list[Segment]) -> int:
+    """Key positions the segments hold (overlays add none)."""
+    return sum(s.tokens for s in split_overlays(segments)[0])

@@ -1,5 +1,7 @@
-"""The fused attention path on SmolLM2: same logits as dequantize + SDPA (30 steps over all tiers), and it really
-runs fused."""
+"""The fused attention path on SmolLM2 with the tiered defaults' recipe (sinks overlay, Hadamard rotation): same
+logits as dequantize + SDPA at every step of a 300-token generation, and it really runs fused."""
+
+import copy
 
 import pytest
 import torch
@@ -10,29 +12,41 @@ from hf_kvcache.eval import load_tokens
 
 pytestmark = pytest.mark.slow
 
-# small tiers, so that 300 steps cross tail -> warm -> archive many times; no sinks (the fused path does not read
-# the sink overlay nor rotated tiers yet: then the layer hands over dequantized tensors)
-OPTIONS = dict(tail_length=16, warm_length=64, group_size=16, sink_length=0, rotation="none")
+# small tiers, so that 300 steps cross tail -> warm -> archive many times; sinks and rotation as in the defaults, the
+# un-rotation of the dequantize path in float32 (its bfloat16 default rounds more than the fused path does)
+OPTIONS = dict(tail_length=16, warm_length=64, group_size=16, sink_length=4, rotation="both", rotation_dtype=None)
+STEPS = 300
 
 
-def generate_logits(model, ids, attn, steps):
+def forward(model, attn, token, cache):
     model.set_attn_implementation(attn)
-    try:
-        cache = TieredQuantCache(config=model.config, **OPTIONS)
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
-    finally:
-        model.set_attn_implementation("sdpa")
-    return out, cache
+    return model(token, past_key_values=cache, use_cache=True).logits[:, -1].float()
 
 
-def test_fused_logits_equal_dequantize_sdpa(smol, moby_text):
+@torch.no_grad()
+def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text):
+    """Both paths read the same cache state at every step (a copy of the fused cache, read through dequantize +
+    SDPA), so the comparison isolates the attention: two free-running generations drift apart once a tiny difference
+    flips a 2-bit code of a token quantized later."""
     model, tok = smol
     ids = load_tokens(tok, moby_text, 5000, 130)
-    ref, _ = generate_logits(model, ids, "sdpa", 30)
-    fused, cache = generate_logits(model, ids, "hf_kvcache", 30)
+    cache = TieredQuantCache(config=model.config, **OPTIONS)
+    worst = 0.0
+    try:
+        token = forward(model, "hf_kvcache", ids, cache).argmax(-1, keepdim=True)
+        for _ in range(STEPS):
+            reference_cache = copy.deepcopy(cache)
+            for layer in reference_cache.layers:
+                layer.fused_reader = False
+            ref = forward(model, "sdpa", token, reference_cache)
+            fused = forward(model, "hf_kvcache", token, cache)
+            torch.testing.assert_close(fused, ref, atol=5e-4, rtol=1e-4)
+            worst = max(worst, float((fused - ref).abs().max()))
+            token = fused.argmax(-1, keepdim=True)
+    finally:
+        model.set_attn_implementation("sdpa")
     assert all(layer.fused_reader for layer in cache.layers), "the fused kernel did not take over"
     tiers = cache.layers[0].tier_tokens()
-    assert tiers["archive"] > 0 and tiers["warm"] > 0
-    torch.testing.assert_close(torch.stack(fused.logits), torch.stack(ref.logits), atol=1e-2, rtol=1e-3)
-    assert torch.equal(fused.sequences, ref.sequences)
+    assert tiers["sink"] == 4 and tiers["archive"] > 0 and tiers["warm"] > 0
+    assert cache.get_seq_length() == ids.shape[1] + STEPS
+    print(f"max |fused - dequantize| logit difference over {STEPS} steps: {worst:.2e}")

@@ -116,3 +116,28 @@ def test_decode_attention_rotated_segment(use_triton):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out, exact, atol=0.05, rtol=0.05)  # 8-bit codes: close to the unquantized result
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("pads", [None, (0, 2)], ids=["no-mask", "left-padded"])
+def test_decode_attention_overlay_replaces_positions(use_triton, pads):
+    """A full-precision overlay (attention sinks) over the first positions of a quantized segment: those positions
+    attend to the overlay's keys/values, never to the codes under it, and their mass lands on those positions."""
+    g = torch.Generator().manual_seed(11)
+    b, h, d = 2, 3, 64
+    seg = quant_segment(b, h, 64, d, 2, 2, seed=4)
+    tail = FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))
+    sinks = FullSegment(torch.randn(b, h, 4, d, generator=g) * 3, torch.randn(b, h, 4, d, generator=g), overlay_at=0)
+    segments = [seg, tail, sinks]
+    mask = None if pads is None else left_padded_mask(b, 1, 69, pads)
+    q = torch.randn(b, h * 3, 1, d, generator=g)
+    ref_out, ref_mass = reference_attention(q, segments, mask)
+    out, mass = decode_attention(q, segments, mask, return_mass=True, use_triton=use_triton, block=32)
+    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
+    assert mass.shape == (b, h, 69)
+    # the overlay really replaced the codes: without it the result differs
+    no_overlay, _ = decode_attention(q, [seg, tail], mask, use_triton=use_triton, block=32)
+    assert (no_overlay - out).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="outside"):
+        decode_attention(q, [tail, FullSegment(tail.keys, tail.values, overlay_at=3)])

@@ -20,6 +20,7 @@ from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSli
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
+from ..kernels.segments import positions_held
 
 FP16_BYTES = 2
 LAYER_ATTR = "_hf_kvcache_layer"
@@ -72,7 +73,7 @@ class CompressedLayer(DynamicLayer):
         self.cumulative_length += key_states.shape[-2]
         self.append(key_states, value_states)
         self.fused_view = (segments, key_states, value_states)
-        total = sum(seg.tokens for seg in segments) + key_states.shape[-2]
+        total = positions_held(segments) + key_states.shape[-2]
         b, h = key_states.shape[:2]
         keys = key_states.new_zeros(()).expand(b, h, total, key_states.shape[-1])
         values = value_states.new_zeros(()).expand(b, h, total, value_states.shape[-1])

@@ -33,7 +33,7 @@ import torch
 from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi, quantize_kivi, slice_tokens
 from ..quant.rotation import is_power_of_two, rotation_matrix
-from ..kernels.segments import FullSegment, QuantSegment  # noqa: F401
+from ..kernels.segments import FullSegment, QuantSegment
 from .base import LAYER_ATTR, CompressedCache, CompressedLayer, memory_stats
 
 QUANTIZERS = ("kivi",)
@@ -441,12 +441,12 @@ class TieredQuantLayer(CompressedLayer):
         return keys, values
 
     def attention_segments(self) -> list | None:
-        """archive | warm | tail as segments the fused attention reads in place (no copy). None (the layer then
-        hands over dequantized tensors) for the per-token-keys ablation and while full-precision sinks are held:
-        sinks overlay positions a quantized tier also holds, which the segment list cannot express yet; and with a
-        rotation, whose fused result still differs from the dequantize path by ~3e-3 (not yet understood)."""
-        if (self.plan.key_axis != "channel" or self.head_dim != self.value_dim or self.plan.sink_length > 0
-                or self.plan.rotation != "none"):
+        """archive | warm | tail as segments the fused attention reads in place (no copy), plus the full-precision
+        sinks as an overlay of the positions they replace in a quantized tier (while the sinks are still in the tail,
+        the tail holds them exactly and no overlay is needed). Rotated tiers carry their rotation: the attention
+        rotates the queries instead of un-rotating the keys. None (the layer then hands over dequantized tensors)
+        for the per-token-keys ablation."""
+        if self.plan.key_axis != "channel" or self.head_dim != self.value_dim:
             return None
         s, segments = self.store, []
         for tier in ("arch", "warm"):
@@ -457,6 +457,9 @@ class TieredQuantLayer(CompressedLayer):
                                              k.group_size, v.group_size, self.head_dim, self.rot_k, self.rot_v))
         if "tail_k" in s:
             segments.append(FullSegment(s["tail_k"], s["tail_v"]))
+        overlaid = min(self._count("sink_k"), self._count("arch_kc") + self._count("warm_kc"))
+        if overlaid:
+            segments.append(FullSegment(s["sink_k"][:, :, :overlaid], s["sink_v"][:, :, :overlaid], overlay_at=0))
         return segments
 
     # ---- batch / beam contract ----------------------------------------------------------------------------------
