@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from .blockwise import combine, dense_partial, quant_mass_blockwise, quant_partial_blockwise
 from .segments import FullSegment, QuantSegment, Segment, split_overlays
 
 NEG_INF = float("-inf")
@@ -55,39 +56,9 @@ def _rows_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
 
 
 # ---- partials ---------------------------------------------------------------------------------------------------------
-def _update(state, scores: torch.Tensor, values: torch.Tensor):
-    """One online-softmax step. scores [B,H,M,t] (masked = -inf), values [B,H,t,D]."""
-    m, l, acc = state
-    m_new = torch.maximum(m, scores.amax(-1))
-    m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-    alpha = torch.exp(m - m_safe)
-    p = torch.exp(scores - m_safe.unsqueeze(-1))
-    return m_new, l * alpha + p.sum(-1), acc * alpha.unsqueeze(-1) + p @ values
-
-
-def _empty_state(q: torch.Tensor):
-    b, h, m, d = q.shape
-    return (q.new_full((b, h, m), NEG_INF), q.new_zeros((b, h, m)), q.new_zeros((b, h, m, d)))
-
-
 def _masked_scores(q, k, row_mask):
     s = q @ k.transpose(-1, -2)
     return s if row_mask is None else s.masked_fill(~row_mask, NEG_INF)
-
-
-def _full_partial(q, seg: FullSegment, row_mask):
-    return _update(_empty_state(q), _masked_scores(q, seg.keys.float(), row_mask), seg.values.float())
-
-
-def _quant_partial_torch(q, seg: QuantSegment, key_valid, block: int):
-    state = _empty_state(q)
-    step = max(seg.k_group, block - block % seg.k_group)
-    for start in range(0, seg.tokens, step):
-        stop = min(start + step, seg.tokens)
-        k, v = seg.slice(start, stop).dequantize()
-        rm = None if key_valid is None else key_valid[:, None, None, start:stop]
-        state = _update(state, _masked_scores(q, k, rm), v)
-    return state
 
 
 def _merge(partials):
@@ -105,7 +76,7 @@ def decode_attention(
     attention_mask: torch.Tensor | None = None,
     scaling: float | None = None,
     return_mass: bool = False,
-    block: int = 1024,
+    block: int = 2048,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` [B, Hq, L, D] over `segments` (in key order).
@@ -124,7 +95,9 @@ def decode_attention(
     total = sum(s.tokens for s in segments)
     if use_triton is None:
         use_triton = query.is_cuda
-    partials, spans, start = [], [], 0
+    partials, quant_spans, dense, start = [], [], [], 0
+    rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
+    pending = None  # (v_rotation, partial) of consecutive quantized segments sharing a value rotation
     for seg in segments:
         stop = start + seg.tokens
         cmask = _column_mask(attention_mask, start, stop, q_len, total, causal_tail=isinstance(seg, FullSegment))
@@ -134,37 +107,76 @@ def decode_attention(
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
             if hidden is not None:
                 key_valid = ~hidden.expand(b, -1) if key_valid is None else key_valid & ~hidden
-            q_seg = q if seg.k_rotation is None else q @ seg.k_rotation.float()
+            q_seg = q
+            if seg.k_rotation is not None:
+                q_seg = rotated_q.get(id(seg.k_rotation))
+                if q_seg is None:
+                    q_seg = rotated_q[id(seg.k_rotation)] = q @ seg.k_rotation.float()
             if use_triton:
                 from .triton_decode import quant_partial_triton
 
-                m, l, acc = quant_partial_triton(q_seg, seg, key_valid)
+                part = quant_partial_triton(q_seg, seg, key_valid)
             else:
-                m, l, acc = _quant_partial_torch(q_seg, seg, key_valid, block)
-            if seg.v_rotation is not None:
-                acc = acc @ seg.v_rotation.t().float()
-            partials.append((m, l, acc))
-            spans.append((seg, start, stop, key_valid))
+                part = quant_partial_blockwise(q_seg, seg, key_valid, block)
+            if pending is not None and pending[0] is seg.v_rotation:
+                pending = (seg.v_rotation, combine(pending[1], part))
+            else:
+                if pending is not None:
+                    partials.append(_unrotated(*pending))
+                pending = (seg.v_rotation, part)
+            quant_spans.append((seg, start, stop, key_valid, q_seg))
         else:
             if hidden is not None:
                 cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
-            rm = _rows_mask(cmask, group)
-            partials.append(_full_partial(q, seg, rm))
-            spans.append((seg, start, stop, rm))
+            dense.append((seg, start, cmask))
         start = stop
-    overlay_spans = []
+    if pending is not None:
+        partials.append(_unrotated(*pending))
     for o in overlays:
-        cmask = _column_mask(attention_mask, o.overlay_at, o.overlay_at + o.tokens, q_len, total, causal_tail=False)
-        rm = _rows_mask(cmask, group)
-        partials.append(_full_partial(q, o, rm))
-        overlay_spans.append((o, o.overlay_at, o.overlay_at + o.tokens, rm))
+        dense.append((o, o.overlay_at, _column_mask(attention_mask, o.overlay_at, o.overlay_at + o.tokens, q_len,
+                                                    total, causal_tail=False)))
+    if dense:  # every full-precision piece (tail, new tokens, overlays) in one partial
+        dk, dv, row_mask = _dense_keys(dense, b, q_len, group)
+        partials.append(dense_partial(q, dk, dv, row_mask))
     out, lse = _merge(partials)
     mass = None
     if return_mass:
-        mass = _mass(q, spans, lse, block, use_triton, q_len)
-        for o, o_start, o_stop, rm in overlay_spans:
-            mass[..., o_start:o_stop] += _mass(q, [(o, o_start, o_stop, rm)], lse, block, use_triton, q_len)
+        mass = q.new_zeros((b, kv_heads, total))
+        for seg, start, stop, key_valid, q_seg in quant_spans:
+            if use_triton:
+                from .triton_decode import quant_mass_triton
+
+                mass[..., start:stop] = quant_mass_triton(q_seg, seg, key_valid, lse)
+            else:
+                mass[..., start:stop] = quant_mass_blockwise(q_seg, seg, key_valid, lse, block)
+        if dense:
+            p = _masked_scores(q, dk, row_mask).sub_(lse.unsqueeze(-1)).exp_().sum(2)
+            positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
+            mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _unrotated(v_rotation: torch.Tensor | None, part):
+    """A partial over values stored as v @ R, brought back to the model's basis (its output times R^T)."""
+    if v_rotation is None:
+        return part
+    m, l, acc = part
+    return m, l, acc @ v_rotation.t().float()
+
+
+def _dense_keys(dense, b: int, q_len: int, group: int):
+    """Keys, values (float32) and row mask of the full-precision pieces, concatenated."""
+    dk = torch.cat([seg.keys for seg, _, _ in dense], 2).float()
+    dv = torch.cat([seg.values for seg, _, _ in dense], 2).float()
+    if all(cm is None for _, _, cm in dense):
+        return dk, dv, None
+    batch = max(cm.shape[0] for _, _, cm in dense if cm is not None)
+    cols = [
+        (cm if cm is not None else torch.ones(1, 1, q_len, seg.tokens, dtype=torch.bool, device=dk.device))
+        .expand(batch, 1, q_len, seg.tokens)
+        for seg, _, cm in dense
+    ]
+    return dk, dv, _rows_mask(torch.cat(cols, -1), group)
 
 
 def _overlaid_columns(overlays: list[FullSegment], start: int, stop: int, device) -> torch.Tensor | None:
@@ -177,31 +189,6 @@ def _overlaid_columns(overlays: list[FullSegment], start: int, stop: int, device
                 hidden = torch.zeros(stop - start, dtype=torch.bool, device=device)
             hidden[lo - start : hi - start] = True
     return hidden
-
-
-def _mass(q, spans, lse, block, use_triton, q_len):
-    """Attention probability per key (second, read-only pass with the final log-sum-exp)."""
-    pieces = []
-    for seg, start, stop, m in spans:
-        if isinstance(seg, FullSegment):
-            p = torch.exp(_masked_scores(q, seg.keys.float(), m) - lse.unsqueeze(-1))
-            pieces.append(p.sum(2))
-            continue
-        q_seg = q if seg.k_rotation is None else q @ seg.k_rotation.float()
-        if use_triton:
-            from .triton_decode import quant_mass_triton
-
-            pieces.append(quant_mass_triton(q_seg, seg, m, lse))
-        else:
-            step = max(seg.k_group, block - block % seg.k_group)
-            cols = []
-            for s0 in range(0, seg.tokens, step):
-                s1 = min(s0 + step, seg.tokens)
-                k, _ = seg.slice(s0, s1).dequantize()
-                rm = None if m is None else m[:, None, None, s0:s1]
-                cols.append(torch.exp(_masked_scores(q_seg, k, rm) - lse.unsqueeze(-1)).sum(2))
-            pieces.append(torch.cat(cols, -1))
-    return torch.cat(pieces, -1)
 
 
 def reference_attention(query, segments, attention_mask=None, scaling=None):

@@ -1,0 +1,151 @@
+"""The torch path of the fused decode attention over a `QuantSegment` (CPU, or any device without Triton).
+
+Tokens are read `block` at a time: the codes of a block are unpacked into reusable scratch buffers, dequantized in
+place, and folded into an online-softmax partial, so the extra memory is O(block) whatever the cache length, and no
+large tensor is allocated per step (fresh multi-megabyte allocations cost page faults on every decode step, which on
+CPU took longer than the attention itself).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from hf_kvcache.quant.kivi import _lut
+from hf_kvcache.quant.packing import unpack_bits
+
+from .segments import QuantSegment
+
+NEG_INF = float("-inf")
+_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}  # table row bytes -> one element
+
+
+class _Scratch(threading.local):
+    """Per-thread scratch buffers, grown on demand and reused across calls (`scratch_bytes` says how much is held)."""
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def get(self, name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        buf = self.buffers.get((name, device))
+        if buf is None or buf.numel() < nbytes:  # grown with headroom, so a cache growing by a group rarely reallocates
+            buf = torch.empty(nbytes + nbytes // 4 + 64, dtype=torch.uint8, device=device)
+            self.buffers[(name, device)] = buf
+        return buf[:nbytes].view(dtype)
+
+
+_SCRATCH = _Scratch()
+
+
+def scratch_bytes() -> int:
+    """Bytes held by this thread's scratch buffers."""
+    return sum(b.numel() for b in _SCRATCH.buffers.values())
+
+
+def release_scratch() -> None:
+    """Free this thread's scratch buffers (they are allocated again when needed)."""
+    _SCRATCH.buffers.clear()
+
+
+def _unpack(codes: torch.Tensor, bits: int, n: int, name: str) -> torch.Tensor:
+    """Codes `[B, H, T, packed]` as float32 `[B, H, T, n]`, in a scratch buffer: a table lookup per byte when
+    8 % bits == 0. (A 1 MiB table indexed by byte pairs halves the lookups of 4-bit codes in isolation, but in a
+    real decode step the model's weights evict it from the CPU caches between layers: slower end to end.)"""
+    b, h, t, packed = codes.shape
+    if 8 % bits:
+        return unpack_bits(codes, bits, n).float()
+    per = 8 // bits
+    vals = _SCRATCH.get(name, b * h * t * packed * per, torch.float32, codes.device)
+    idx = _SCRATCH.get(name + "_idx", b * h * t * packed, torch.int32, codes.device)
+    idx.view(b, h, t, packed).copy_(codes)
+    lut = _lut(bits, codes.device)
+    wide = _WIDE.get(per * 4)
+    if wide is not None:
+        torch.index_select(lut.view(wide).reshape(256), 0, idx, out=vals.view(wide))
+    else:
+        torch.index_select(lut, 0, idx, out=vals.view(-1, per))
+    vals = vals.view(b, h, t, packed * per)
+    return vals if packed * per == n else vals[..., :n]
+
+
+def dequantize_block(seg: QuantSegment, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys and values of tokens [start, stop) (in the stored basis), in scratch buffers valid until the
+    next call. `start` is a multiple of the segment's key group."""
+    b, h, _, d = *seg.k_codes.shape[:3], seg.head_dim
+    t, g = stop - start, seg.k_group
+    k = _unpack(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k")
+    kg = k.view(b, h, t // g, g, d) if k.is_contiguous() else k.reshape(b, h, t // g, g, d)
+    torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg,
+                  seg.k_scale[:, :, start // g : stop // g].unsqueeze(3).float(), out=kg)
+    v = _unpack(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v")
+    vg = v.view(b, h, t, d // seg.v_group, seg.v_group) if v.is_contiguous() else v.reshape(b, h, t, -1, seg.v_group)
+    vg.mul_(seg.v_scale[:, :, start:stop].unsqueeze(4).float())
+    vg.add_(seg.v_zero[:, :, start:stop].unsqueeze(4).float())
+    return kg.view(b, h, t, d), vg.view(b, h, t, d)
+
+
+def _steps(seg: QuantSegment, block: int):
+    step = max(seg.k_group, block - block % seg.k_group)
+    for start in range(0, seg.tokens, step):
+        yield start, min(start + step, seg.tokens)
+
+
+# torch's CPU flash attention returns the log-sum-exp beside the output: one call gives a mergeable partial
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def dense_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_mask: torch.Tensor | None):
+    """Softmax partial (row max, row sum, unnormalized output) of already-scaled `q` [B, H, M, D] over float32 `k`,
+    `v` [B, H, n, D]; `row_mask` [B|1, 1|H, M, n] boolean (True = attend) or None. A fully masked row gives
+    (-inf, 0, 0)."""
+    if _FLASH_CPU is not None and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32:
+        bias = None
+        if row_mask is not None:
+            bias = torch.zeros(row_mask.shape, dtype=q.dtype).masked_fill_(~row_mask, NEG_INF)
+        out, lse = _FLASH_CPU(q, k, v, 0.0, False, attn_mask=bias, scale=1.0)
+        if row_mask is not None:  # the kernel reports 0 for a row with no key: make it an empty partial
+            lse = lse.masked_fill(~row_mask.any(-1), NEG_INF)
+        return lse, torch.ones_like(lse), out
+    s = torch.matmul(q, k.transpose(-1, -2))
+    if row_mask is not None:
+        s.masked_fill_(~row_mask, NEG_INF)
+    m = s.amax(-1)
+    m_safe = torch.where(torch.isinf(m), 0.0, m)
+    p = s.sub_(m_safe.unsqueeze(-1)).exp_()
+    return m, p.sum(-1), torch.matmul(p, v)
+
+
+def combine(a, b):
+    """Two softmax partials over disjoint keys -> one."""
+    m = torch.maximum(a[0], b[0])
+    m_safe = torch.where(torch.isinf(m), 0.0, m)
+    wa, wb = torch.exp(a[0] - m_safe), torch.exp(b[0] - m_safe)
+    return m, a[1] * wa + b[1] * wb, a[2] * wa.unsqueeze(-1) + b[2] * wb.unsqueeze(-1)
+
+
+def quant_partial_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, block: int = 1024):
+    """Softmax partial of grouped, scaled queries `q` [B, H, M, D] over the segment; `key_valid` [B, T] (True =
+    attend) or None."""
+    state = None
+    for start, stop in _steps(seg, block):
+        k, v = dequantize_block(seg, start, stop)
+        valid = None if key_valid is None else key_valid[:, start:stop]
+        row_mask = None if valid is None or bool(valid.all()) else valid[:, None, None, :]
+        part = dense_partial(q, k, v, row_mask)
+        state = part if state is None else combine(state, part)
+    return state
+
+
+def quant_mass_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, lse: torch.Tensor,
+                         block: int = 1024) -> torch.Tensor:
+    """Attention probability of each key of the segment, summed over the rows: [B, H, T]."""
+    cols = []
+    for start, stop in _steps(seg, block):
+        k, _ = dequantize_block(seg, start, stop)
+        s = torch.matmul(q, k.transpose(-1, -2))
+        if key_valid is not None:
+            s.masked_fill_(~key_valid[:, None, None, start:stop], NEG_INF)
+        cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
+    return torch.cat(cols, -1)
