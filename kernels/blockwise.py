@@ -12,13 +12,11 @@ import threading
 
 import torch
 
-from hf_kvcache.quant.kivi import _lut
 from hf_kvcache.quant.packing import unpack_bits
 
 from .segments import QuantSegment
 
 NEG_INF = float("-inf")
-_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}  # table row bytes -> one element
 
 
 class _Scratch(threading.local):
@@ -39,6 +37,11 @@ class _Scratch(threading.local):
 _SCRATCH = _Scratch()
 
 
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A 1-D scratch tensor of this thread (valid until the next request of the same name)."""
+    return _SCRATCH.get(name, numel, dtype, device)
+
+
 def scratch_bytes() -> int:
     """Bytes held by this thread's scratch buffers."""
     return sum(b.numel() for b in _SCRATCH.buffers.values())
@@ -49,25 +52,44 @@ def release_scratch() -> None:
     _SCRATCH.buffers.clear()
 
 
-def _unpack(codes: torch.Tensor, bits: int, n: int, name: str) -> torch.Tensor:
-    """Codes `[B, H, T, packed]` as float32 `[B, H, T, n]`, in a scratch buffer: a table lookup per byte when
-    8 % bits == 0. (A 1 MiB table indexed by byte pairs halves the lookups of 4-bit codes in isolation, but in a
-    real decode step the model's weights evict it from the CPU caches between layers: slower end to end.)"""
+_LANE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # codes per byte -> an int with one byte per code
+_FACTORS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+
+
+def _signed(x: int, width_bits: int) -> int:
+    return x - (1 << width_bits) if x >= 1 << (width_bits - 1) else x
+
+
+def lane_factors(bits: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n] float32: what `unpack_shifted` leaves to multiply by, 2**-(bits * (channel % codes per byte))."""
+    key = (bits, n, device)
+    f = _FACTORS.get(key)
+    if f is None:
+        per = 8 // bits
+        f = _FACTORS[key] = torch.tensor([2.0 ** -(bits * (d % per)) for d in range(n)], device=device)
+    return f
+
+
+def unpack_shifted(codes: torch.Tensor, bits: int, n: int, name: str) -> tuple[torch.Tensor, bool]:
+    """Codes `[B, H, T, packed]` as float32 `[B, H, T, n]` in a scratch buffer, without a table lookup: every byte
+    is copied into the lanes of a wider int by one multiply, one mask keeps each lane's own code, and the lanes, read
+    as bytes, are converted to float. Channel d then holds `code * 2**(bits * (d % per))`: the second value returned
+    is True when the caller must still apply `lane_factors` (fold them into a scale: no extra pass)."""
     b, h, t, packed = codes.shape
     if 8 % bits:
-        return unpack_bits(codes, bits, n).float()
+        return unpack_bits(codes, bits, n).float(), False
     per = 8 // bits
-    vals = _SCRATCH.get(name, b * h * t * packed * per, torch.float32, codes.device)
-    idx = _SCRATCH.get(name + "_idx", b * h * t * packed, torch.int32, codes.device)
-    idx.view(b, h, t, packed).copy_(codes)
-    lut = _lut(bits, codes.device)
-    wide = _WIDE.get(per * 4)
-    if wide is not None:
-        torch.index_select(lut.view(wide).reshape(256), 0, idx, out=vals.view(wide))
+    vals = _SCRATCH.get(name, b * h * t * packed * per, torch.float32, codes.device).view(b, h, t, packed * per)
+    if per == 1:
+        vals.copy_(codes)
     else:
-        torch.index_select(lut, 0, idx, out=vals.view(-1, per))
-    vals = vals.view(b, h, t, packed * per)
-    return vals if packed * per == n else vals[..., :n]
+        width = 8 * per
+        lanes = _SCRATCH.get(name + "_lanes", b * h * t * packed, _LANE_INT[per], codes.device).view(b, h, t, packed)
+        lanes.copy_(codes)
+        lanes.mul_(_signed(sum(1 << (8 * i) for i in range(per)), width))
+        lanes.bitwise_and_(_signed(sum(((1 << bits) - 1) << (bits * i) << (8 * i) for i in range(per)), width))
+        vals.view(b, h, t, packed, per).copy_(lanes.view(torch.uint8).view(b, h, t, packed, per))
+    return (vals if packed * per == n else vals[..., :n]), per > 1
 
 
 def dequantize_block(seg: QuantSegment, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,11 +97,15 @@ def dequantize_block(seg: QuantSegment, start: int, stop: int) -> tuple[torch.Te
     next call. `start` is a multiple of the segment's key group."""
     b, h, _, d = *seg.k_codes.shape[:3], seg.head_dim
     t, g = stop - start, seg.k_group
-    k = _unpack(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k")
+    k, shifted = unpack_shifted(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k")
     kg = k.view(b, h, t // g, g, d) if k.is_contiguous() else k.reshape(b, h, t // g, g, d)
-    torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg,
-                  seg.k_scale[:, :, start // g : stop // g].unsqueeze(3).float(), out=kg)
-    v = _unpack(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v")
+    k_scale = seg.k_scale[:, :, start // g : stop // g].float()
+    if shifted:  # per-channel scales: the lane factors fold into them
+        k_scale.mul_(lane_factors(seg.k_bits, d, k.device))
+    torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg, k_scale.unsqueeze(3), out=kg)
+    v, shifted = unpack_shifted(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v")
+    if shifted:
+        v.mul_(lane_factors(seg.v_bits, d, v.device))
     vg = v.view(b, h, t, d // seg.v_group, seg.v_group) if v.is_contiguous() else v.reshape(b, h, t, -1, seg.v_group)
     vg.mul_(seg.v_scale[:, :, start:stop].unsqueeze(4).float())
     vg.add_(seg.v_zero[:, :, start:stop].unsqueeze(4).float())
@@ -125,12 +151,23 @@ def combine(a, b):
     return m, a[1] * wa + b[1] * wb, a[2] * wa.unsqueeze(-1) + b[2] * wb.unsqueeze(-1)
 
 
-def quant_partial_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, block: int = 1024):
+def _patch(k: torch.Tensor, v: torch.Tensor, patches: list[tuple] | None, start: int, stop: int) -> None:
+    """Write each (offset, keys, values) patch's part inside tokens [start, stop) over the block `k`, `v`."""
+    for offset, pk, pv in patches or ():
+        lo, hi = max(start, offset), min(stop, offset + pk.shape[2])
+        if lo < hi:
+            k[:, :, lo - start : hi - start] = pk[:, :, lo - offset : hi - offset]
+            v[:, :, lo - start : hi - start] = pv[:, :, lo - offset : hi - offset]
+
+
+def quant_partial_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, block: int = 1024,
+                            patches: list[tuple] | None = None):
     """Softmax partial of grouped, scaled queries `q` [B, H, M, D] over the segment; `key_valid` [B, T] (True =
-    attend) or None."""
+    attend) or None; `patches`: (offset, keys, values) written over the dequantized tokens (full-precision sinks)."""
     state = None
     for start, stop in _steps(seg, block):
         k, v = dequantize_block(seg, start, stop)
+        _patch(k, v, patches, start, stop)
         valid = None if key_valid is None else key_valid[:, start:stop]
         row_mask = None if valid is None or bool(valid.all()) else valid[:, None, None, :]
         part = dense_partial(q, k, v, row_mask)
@@ -139,11 +176,12 @@ def quant_partial_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch
 
 
 def quant_mass_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, lse: torch.Tensor,
-                         block: int = 1024) -> torch.Tensor:
+                         block: int = 1024, patches: list[tuple] | None = None) -> torch.Tensor:
     """Attention probability of each key of the segment, summed over the rows: [B, H, T]."""
     cols = []
     for start, stop in _steps(seg, block):
-        k, _ = dequantize_block(seg, start, stop)
+        k, v = dequantize_block(seg, start, stop)
+        _patch(k, v, patches, start, stop)
         s = torch.matmul(q, k.transpose(-1, -2))
         if key_valid is not None:
             s.masked_fill_(~key_valid[:, None, None, start:stop], NEG_INF)

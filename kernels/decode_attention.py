@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .blockwise import combine, dense_partial, quant_mass_blockwise, quant_partial_blockwise
+from .blockwise import combine, dense_partial, scratch, quant_mass_blockwise, quant_partial_blockwise
 from .segments import FullSegment, QuantSegment, Segment, split_overlays
 
 NEG_INF = float("-inf")
@@ -98,10 +98,14 @@ def decode_attention(
     partials, quant_spans, dense, start = [], [], [], 0
     rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
     pending = None  # (v_rotation, partial) of consecutive quantized segments sharing a value rotation
+    # the blockwise path writes an overlay lying inside quantized segments over their dequantized block (no mask);
+    # the Triton path masks the positions under an overlay and attends to the overlay as a full-precision piece
+    patched = [] if use_triton else [o for o in overlays if _inside_quantized(o, segments)]
+    masked = [o for o in overlays if not any(o is p for p in patched)]
     for seg in segments:
         stop = start + seg.tokens
         cmask = _column_mask(attention_mask, start, stop, q_len, total, causal_tail=isinstance(seg, FullSegment))
-        hidden = _overlaid_columns(overlays, start, stop, query.device)
+        hidden = _overlaid_columns(masked, start, stop, query.device)
         if isinstance(seg, QuantSegment):
             seg.check()
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
@@ -112,19 +116,20 @@ def decode_attention(
                 q_seg = rotated_q.get(id(seg.k_rotation))
                 if q_seg is None:
                     q_seg = rotated_q[id(seg.k_rotation)] = q @ seg.k_rotation.float()
+            patches = _patches(patched, seg, start, stop)
             if use_triton:
                 from .triton_decode import quant_partial_triton
 
                 part = quant_partial_triton(q_seg, seg, key_valid)
             else:
-                part = quant_partial_blockwise(q_seg, seg, key_valid, block)
+                part = quant_partial_blockwise(q_seg, seg, key_valid, block, patches)
             if pending is not None and pending[0] is seg.v_rotation:
                 pending = (seg.v_rotation, combine(pending[1], part))
             else:
                 if pending is not None:
                     partials.append(_unrotated(*pending))
                 pending = (seg.v_rotation, part)
-            quant_spans.append((seg, start, stop, key_valid, q_seg))
+            quant_spans.append((seg, start, stop, key_valid, q_seg, patches))
         else:
             if hidden is not None:
                 cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
@@ -132,7 +137,7 @@ def decode_attention(
         start = stop
     if pending is not None:
         partials.append(_unrotated(*pending))
-    for o in overlays:
+    for o in masked:
         dense.append((o, o.overlay_at, _column_mask(attention_mask, o.overlay_at, o.overlay_at + o.tokens, q_len,
                                                     total, causal_tail=False)))
     if dense:  # every full-precision piece (tail, new tokens, overlays) in one partial
@@ -142,18 +147,44 @@ def decode_attention(
     mass = None
     if return_mass:
         mass = q.new_zeros((b, kv_heads, total))
-        for seg, start, stop, key_valid, q_seg in quant_spans:
+        for seg, start, stop, key_valid, q_seg, patches in quant_spans:
             if use_triton:
                 from .triton_decode import quant_mass_triton
 
                 mass[..., start:stop] = quant_mass_triton(q_seg, seg, key_valid, lse)
             else:
-                mass[..., start:stop] = quant_mass_blockwise(q_seg, seg, key_valid, lse, block)
+                mass[..., start:stop] = quant_mass_blockwise(q_seg, seg, key_valid, lse, block, patches)
         if dense:
             p = _masked_scores(q, dk, row_mask).sub_(lse.unsqueeze(-1)).exp_().sum(2)
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
             mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _inside_quantized(overlay: FullSegment, segments: list[Segment]) -> bool:
+    start = 0
+    lo, hi = overlay.overlay_at, overlay.overlay_at + overlay.tokens
+    for seg in segments:
+        stop = start + seg.tokens
+        if isinstance(seg, FullSegment) and start < hi and lo < stop:
+            return False
+        start = stop
+    return True
+
+
+def _patches(overlays: list[FullSegment], seg: QuantSegment, start: int, stop: int) -> list[tuple]:
+    """(offset in the segment, keys, values) of each overlay part over [start, stop), in the segment's stored basis
+    (times its rotations)."""
+    out = []
+    for o in overlays:
+        lo, hi = max(start, o.overlay_at), min(stop, o.overlay_at + o.tokens)
+        if lo < hi:
+            k = o.keys[:, :, lo - o.overlay_at : hi - o.overlay_at].float()
+            v = o.values[:, :, lo - o.overlay_at : hi - o.overlay_at].float()
+            k = k if seg.k_rotation is None else k @ seg.k_rotation.float()
+            v = v if seg.v_rotation is None else v @ seg.v_rotation.float()
+            out.append((lo - start, k, v))
+    return out
 
 
 def _unrotated(v_rotation: torch.Tensor | None, part):
@@ -165,9 +196,16 @@ def _unrotated(v_rotation: torch.Tensor | None, part):
 
 
 def _dense_keys(dense, b: int, q_len: int, group: int):
-    """Keys, values (float32) and row mask of the full-precision pieces, concatenated."""
-    dk = torch.cat([seg.keys for seg, _, _ in dense], 2).float()
-    dv = torch.cat([seg.values for seg, _, _ in dense], 2).float()
+    """Keys, values (float32, concatenated into scratch buffers) and row mask of the full-precision pieces."""
+    first = dense[0][0].keys
+    h, d, n = first.shape[1], first.shape[3], sum(seg.tokens for seg, _, _ in dense)
+    dk = scratch("dense_k", b * h * n * d, torch.float32, first.device).view(b, h, n, d)
+    dv = scratch("dense_v", b * h * n * d, torch.float32, first.device).view(b, h, n, d)
+    pos = 0
+    for seg, _, _ in dense:
+        dk[:, :, pos : pos + seg.tokens].copy_(seg.keys)
+        dv[:, :, pos : pos + seg.tokens].copy_(seg.values)
+        pos += seg.tokens
     if all(cm is None for _, _, cm in dense):
         return dk, dv, None
     batch = max(cm.shape[0] for _, _, cm in dense if cm is not None)
