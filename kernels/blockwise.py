@@ -92,9 +92,11 @@ def unpack_shifted(codes: torch.Tensor, bits: int, n: int, name: str) -> tuple[t
     return (vals if packed * per == n else vals[..., :n]), per > 1
 
 
-def dequantize_block(seg: QuantSegment, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float32 keys and values of tokens [start, stop) (in the stored basis), in scratch buffers valid until the
-    next call. `start` is a multiple of the segment's key group."""
+def dequantize_block(seg: QuantSegment, start: int, stop: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 keys and values of tokens [start, stop) (in the stored basis): written into `out` (two
+    `[B, H, stop - start, D]` views, e.g. rows of a bigger buffer) or into scratch buffers valid until the next call.
+    `start` is a multiple of the segment's key group."""
     b, h, _, d = *seg.k_codes.shape[:3], seg.head_dim
     t, g = stop - start, seg.k_group
     k, shifted = unpack_shifted(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k")
@@ -102,14 +104,16 @@ def dequantize_block(seg: QuantSegment, start: int, stop: int) -> tuple[torch.Te
     k_scale = seg.k_scale[:, :, start // g : stop // g].float()
     if shifted:  # per-channel scales: the lane factors fold into them
         k_scale.mul_(lane_factors(seg.k_bits, d, k.device))
-    torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg, k_scale.unsqueeze(3), out=kg)
+    k_out = kg if out is None else out[0].view(b, h, t // g, g, d)
+    torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg, k_scale.unsqueeze(3), out=k_out)
     v, shifted = unpack_shifted(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v")
     if shifted:
         v.mul_(lane_factors(seg.v_bits, d, v.device))
     vg = v.view(b, h, t, d // seg.v_group, seg.v_group) if v.is_contiguous() else v.reshape(b, h, t, -1, seg.v_group)
-    vg.mul_(seg.v_scale[:, :, start:stop].unsqueeze(4).float())
-    vg.add_(seg.v_zero[:, :, start:stop].unsqueeze(4).float())
-    return kg.view(b, h, t, d), vg.view(b, h, t, d)
+    v_out = vg if out is None else out[1].view(b, h, t, d // seg.v_group, seg.v_group)
+    torch.mul(vg, seg.v_scale[:, :, start:stop].unsqueeze(4).float(), out=v_out)
+    v_out.add_(seg.v_zero[:, :, start:stop].unsqueeze(4).float())
+    return k_out.view(b, h, t, d), v_out.view(b, h, t, d)
 
 
 def _steps(seg: QuantSegment, block: int):
@@ -187,3 +191,68 @@ def quant_mass_blockwise(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
             s.masked_fill_(~key_valid[:, None, None, start:stop], NEG_INF)
         cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
     return torch.cat(cols, -1)
+
+
+def packed_attention(q: torch.Tensor, segments: list, overlays: list, column_mask, group: int, block: int = 2048):
+    """Attention of grouped, scaled queries `q` [B, H, M, D] over every segment at once: their rows are written, in
+    key order and in one common basis, into a scratch buffer of at most `block` rows (up to 25 % more when that
+    avoids a second pass), quantized segments dequantized straight into it, overlays written over the rows they
+    replace; each full buffer is one flash-attention call, and the calls are merged by their log-sum-exp.
+
+    `column_mask(start, stop)` gives the boolean [B|1, 1, L, stop - start] mask of key columns (or None). Returns the
+    output [B, H, M, D] in the model's basis, or None when the quantized segments do not share one rotation (then
+    the caller attends segment by segment)."""
+    quant = [s for s in segments if isinstance(s, QuantSegment)]
+    rk = quant[0].k_rotation if quant else None
+    rv = quant[0].v_rotation if quant else None
+    if any(s.k_rotation is not rk or s.v_rotation is not rv for s in quant):
+        return None
+    b, h, _, d = q.shape
+    total = sum(s.tokens for s in segments)
+    cap = total if total <= block + block // 4 else block
+    keys = _SCRATCH.get("rows_k", b * h * cap * d, torch.float32, q.device).view(b, h, cap, d)
+    values = _SCRATCH.get("rows_v", b * h * cap * d, torch.float32, q.device).view(b, h, cap, d)
+    rk32 = None if rk is None else rk.float()
+    rv32 = None if rv is None else rv.float()
+    q = q if rk32 is None else q @ rk32
+    state, fill, first = None, 0, 0  # rows filled; position of row 0
+
+    def put(rows_k: torch.Tensor, rows_v: torch.Tensor, at: int) -> None:
+        n = rows_k.shape[2]
+        rows_k, rows_v = rows_k.float(), rows_v.float()
+        keys[:, :, at : at + n] = rows_k if rk32 is None else rows_k @ rk32
+        values[:, :, at : at + n] = rows_v if rv32 is None else rows_v @ rv32
+
+    def flush() -> None:
+        nonlocal state, fill, first
+        for o in overlays:
+            lo, hi = max(first, o.overlay_at), min(first + fill, o.overlay_at + o.tokens)
+            if lo < hi:
+                put(o.keys[:, :, lo - o.overlay_at : hi - o.overlay_at],
+                    o.values[:, :, lo - o.overlay_at : hi - o.overlay_at], lo - first)
+        cmask = column_mask(first, first + fill)
+        row_mask = None if cmask is None else cmask.repeat(1, 1, group, 1)
+        part = dense_partial(q, keys[:, :, :fill], values[:, :, :fill], row_mask)
+        state = part if state is None else combine(state, part)
+        first, fill = first + fill, 0
+
+    for seg in segments:
+        s0 = 0
+        while s0 < seg.tokens:
+            room = cap - fill
+            if isinstance(seg, QuantSegment):
+                n = min(seg.tokens - s0, room - room % seg.k_group)
+                if n:
+                    dequantize_block(seg, s0, s0 + n, out=(keys[:, :, fill : fill + n], values[:, :, fill : fill + n]))
+            else:
+                n = min(seg.tokens - s0, room)
+                if n:
+                    put(seg.keys[:, :, s0 : s0 + n], seg.values[:, :, s0 : s0 + n], fill)
+            if n == 0:
+                flush()
+            fill, s0 = fill + n, s0 + n
+    if fill:
+        flush()
+    _, l, acc = state
+    out = acc / l.clamp_min(1e-30).unsqueeze(-1)
+    return out if rv32 is None else out @ rv32.t()

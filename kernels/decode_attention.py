@@ -15,7 +15,7 @@ import math
 
 import torch
 
-from .blockwise import combine, dense_partial, scratch, quant_mass_blockwise, quant_partial_blockwise
+from .blockwise import combine, dense_partial, packed_attention, scratch, quant_mass_blockwise, quant_partial_blockwise
 from .segments import FullSegment, QuantSegment, Segment, split_overlays
 
 NEG_INF = float("-inf")
@@ -95,6 +95,12 @@ def decode_attention(
     total = sum(s.tokens for s in segments)
     if use_triton is None:
         use_triton = query.is_cuda
+    if not use_triton and not return_mass:  # one pass over rows packed in one basis, when the segments allow it
+        out = packed_attention(q, segments, overlays,
+                               lambda lo, hi: _column_mask(attention_mask, lo, hi, q_len, total, causal_tail=True),
+                               group, block)
+        if out is not None:
+            return ungroup_rows(out, hq, q_len).to(query.dtype), None
     partials, quant_spans, dense, start = [], [], [], 0
     rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
     pending = None  # (v_rotation, partial) of consecutive quantized segments sharing a value rotation

@@ -79,6 +79,11 @@ def test_decode_attention_matches_reference(use_triton, batch, kv_heads, group, 
     assert mass.shape == (batch, kv_heads, total)
     if pads is not None:
         assert all(float(mass[i, :, :p].abs().sum()) == 0 for i, p in enumerate(pads))
+    if not use_triton:  # without mass the torch path packs all rows into blocks (here of 64: several passes)
+        for block in (64, 100, 2048):
+            packed, none = decode_attention(q, segments, mask, block=block, use_triton=False)
+            assert none is None
+            torch.testing.assert_close(packed, ref_out, atol=2e-6, rtol=1e-5)
 
 
 def test_decode_attention_odd_lengths_and_3bit():
@@ -116,6 +121,9 @@ def test_decode_attention_rotated_segment(use_triton):
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out, exact, atol=0.05, rtol=0.05)  # 8-bit codes: close to the unquantized result
+    packed, _ = decode_attention(q, [seg, FullSegment(k[:, :, :5], v[:, :, :5])], block=32, use_triton=use_triton)
+    ref, _ = reference_attention(q, [seg, FullSegment(k[:, :, :5], v[:, :, :5])])
+    torch.testing.assert_close(packed, ref, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
@@ -136,6 +144,8 @@ def test_decode_attention_overlay_replaces_positions(use_triton, pads):
     torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
     assert mass.shape == (b, h, 69)
+    packed, _ = decode_attention(q, segments, mask, use_triton=use_triton, block=32)
+    torch.testing.assert_close(packed, ref_out, atol=2e-6, rtol=1e-5)
     # the overlay really replaced the codes: without it the result differs
     no_overlay, _ = decode_attention(q, [seg, tail], mask, use_triton=use_triton, block=32)
     assert (no_overlay - out).abs().max() > 1e-3
