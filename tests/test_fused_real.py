@@ -50,3 +50,30 @@ def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text):
     assert tiers["sink"] == 4 and tiers["archive"] > 0 and tiers["warm"] > 0
     assert cache.get_seq_length() == ids.shape[1] + STEPS
     print(f"max |fused - dequantize| logit difference over {STEPS} steps: {worst:.2e}")
+
+
+@torch.no_grad()
+def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text):
+    """Two prompts of different lengths, left-padded: the fused path (with the padding mask) generates what
+    dequantize + SDPA generates."""
+    model, tok = smol
+    texts = [moby_text[20000:20600], moby_text[30000:30250]]
+    tok.padding_side = "left"
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    batch = tok(texts, return_tensors="pt", padding=True)
+    assert (batch.attention_mask[1] == 0).any(), "the second prompt must be padded"
+    runs = {}
+    try:
+        for attn in ("sdpa", "hf_kvcache"):
+            model.set_attn_implementation(attn)
+            cache = TieredQuantCache(config=model.config, **OPTIONS)
+            runs[attn] = model.generate(**batch, past_key_values=cache, max_new_tokens=20, min_new_tokens=20,
+                                        do_sample=False, output_logits=True, return_dict_in_generate=True)
+            if attn == "hf_kvcache":
+                assert all(layer.fused_reader for layer in cache.layers)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert torch.equal(runs["hf_kvcache"].sequences, runs["sdpa"].sequences)
+    torch.testing.assert_close(torch.stack(runs["hf_kvcache"].logits), torch.stack(runs["sdpa"].logits),
+                               atol=1e-2, rtol=1e-3)
