@@ -4,9 +4,11 @@
 Each segment yields an online-softmax partial (row max `m`, row sum `l`, unnormalized output `acc`); partials are merged
 with log-sum-exp, so every byte of the cache is read once. GQA: the query heads of one KV head (times the query
 positions) form the rows of one tile, so KV is never repeated. On CUDA quantized segments run in a Triton kernel
-(split along tokens, flash-decoding style); elsewhere a blockwise torch path dequantizes `block` tokens at a time,
-so its extra memory is O(block), not O(cached tokens). `reference_attention` is the dequantize-then-SDPA reference
-both are tested against.
+(split along tokens, flash-decoding style); elsewhere the torch path of `kernels.blockwise` dequantizes at most
+`block` rows at a time into reusable scratch (extra memory O(block), not O(cached tokens)): without attention mass
+it packs the rows of all segments into one buffer and makes one flash call per block, with mass it goes segment by
+segment. Full-precision overlays (sinks) replace the positions under them. `reference_attention` is the
+dequantize-then-SDPA reference all paths are tested against.
 """
 
 from __future__ import annotations
