@@ -151,3 +151,19 @@ def test_decode_attention_overlay_replaces_positions(use_triton, pads):
     assert (no_overlay - out).abs().max() > 1e-3
     with pytest.raises(ValueError, match="outside"):
         decode_attention(q, [tail, FullSegment(tail.keys, tail.values, overlay_at=3)])
+
+
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_decode_attention_half_precision_queries(use_triton, dtype):
+    """fp16 / bf16 queries and a 16-bit tail: the output comes back in the query dtype, equal to the float32
+    reference up to that dtype's rounding."""
+    g = torch.Generator().manual_seed(5)
+    seg = quant_segment(2, 3, 64, 64, 2, 2, seed=6)
+    tail = FullSegment(torch.randn(2, 3, 7, 64, generator=g).to(dtype), torch.randn(2, 3, 7, 64, generator=g).to(dtype))
+    q = torch.randn(2, 9, 2, 64, generator=g).to(dtype)
+    ref, _ = reference_attention(q.float(), [seg, tail])
+    for return_mass in (False, True):
+        out, _ = decode_attention(q, [seg, tail], use_triton=use_triton, return_mass=return_mass, block=32)
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
