@@ -70,8 +70,10 @@ def lane_factors(bits: int, n: int, device: torch.device) -> torch.Tensor:
     return f
 
 
-def unpack_shifted(codes: torch.Tensor, bits: int, n: int, name: str) -> tuple[torch.Tensor, bool]:
-    """Codes `[B, H, T, packed]` as float32 `[B, H, T, n]` in a scratch buffer, without a table lookup: every byte
+def unpack_shifted(codes: torch.Tensor, bits: int, n: int, name: str, into: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, bool]:
+    """Codes `[B, H, T, packed]` as float32 `[B, H, T, n]` in a scratch buffer (or in `into`, a float32 view of that
+    shape, when the packed codes hold exactly n channels), without a table lookup: every byte
     is copied into the lanes of a wider int by one multiply, one mask keeps each lane's own code, and the lanes, read
     as bytes, are converted to float. Channel d then holds `code * 2**(bits * (d % per))`: the second value returned
     is True when the caller must still apply `lane_factors` (fold them into a scale: no extra pass)."""
@@ -79,7 +81,10 @@ def unpack_shifted(codes: torch.Tensor, bits: int, n: int, name: str) -> tuple[t
     if 8 % bits:
         return unpack_bits(codes, bits, n).float(), False
     per = 8 // bits
-    vals = _SCRATCH.get(name, b * h * t * packed * per, torch.float32, codes.device).view(b, h, t, packed * per)
+    if into is not None and packed * per == n:
+        vals = into
+    else:
+        vals = _SCRATCH.get(name, b * h * t * packed * per, torch.float32, codes.device).view(b, h, t, packed * per)
     if per == 1:
         vals.copy_(codes)
     else:
@@ -99,17 +104,20 @@ def dequantize_block(seg: QuantSegment, start: int, stop: int, out: tuple[torch.
     `start` is a multiple of the segment's key group."""
     b, h, _, d = *seg.k_codes.shape[:3], seg.head_dim
     t, g = stop - start, seg.k_group
-    k, shifted = unpack_shifted(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k")
-    kg = k.view(b, h, t // g, g, d) if k.is_contiguous() else k.reshape(b, h, t // g, g, d)
+    # unpacked straight into `out` when given (then scaled in place), else into scratch
+    k, shifted = unpack_shifted(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k", None if out is None else out[0])
+    viewable = k.is_contiguous() or (out is not None and k is out[0])
+    kg = k.view(b, h, t // g, g, d) if viewable else k.reshape(b, h, t // g, g, d)
     k_scale = seg.k_scale[:, :, start // g : stop // g].float()
     if shifted:  # per-channel scales: the lane factors fold into them
         k_scale.mul_(lane_factors(seg.k_bits, d, k.device))
     k_out = kg if out is None else out[0].view(b, h, t // g, g, d)
     torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg, k_scale.unsqueeze(3), out=k_out)
-    v, shifted = unpack_shifted(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v")
+    v, shifted = unpack_shifted(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v", None if out is None else out[1])
     if shifted:
         v.mul_(lane_factors(seg.v_bits, d, v.device))
-    vg = v.view(b, h, t, d // seg.v_group, seg.v_group) if v.is_contiguous() else v.reshape(b, h, t, -1, seg.v_group)
+    viewable = v.is_contiguous() or (out is not None and v is out[1])
+    vg = v.view(b, h, t, d // seg.v_group, seg.v_group) if viewable else v.reshape(b, h, t, -1, seg.v_group)
     v_out = vg if out is None else out[1].view(b, h, t, d // seg.v_group, seg.v_group)
     torch.mul(vg, seg.v_scale[:, :, start:stop].unsqueeze(4).float(), out=v_out)
     v_out.add_(seg.v_zero[:, :, start:stop].unsqueeze(4).float())
