@@ -155,6 +155,19 @@ def dense_partial(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, row_mask: t
     return m, p.sum(-1), torch.matmul(p, v)
 
 
+def rows_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
+    """Column mask [B|1, 1, L, T] -> [B|1, 1, group * L, T], matching the grouped query rows."""
+    return None if mask is None else mask.repeat(1, 1, group, 1)
+
+
+def finish(state) -> tuple[torch.Tensor, torch.Tensor]:
+    """A softmax partial -> (normalized output, log-sum-exp of each row)."""
+    m, l, acc = state
+    m_safe = torch.where(torch.isinf(m), 0.0, m)
+    l = l.clamp_min(1e-30)
+    return acc / l.unsqueeze(-1), m_safe + torch.log(l)
+
+
 def combine(a, b):
     """Two softmax partials over disjoint keys -> one."""
     m = torch.maximum(a[0], b[0])
@@ -239,7 +252,7 @@ def packed_attention(q: torch.Tensor, segments: list, overlays: list, column_mas
                 put(o.keys[:, :, lo - o.overlay_at : hi - o.overlay_at],
                     o.values[:, :, lo - o.overlay_at : hi - o.overlay_at], lo - first)
         cmask = column_mask(first, first + fill)
-        row_mask = None if cmask is None else cmask.repeat(1, 1, group, 1)
+        row_mask = rows_mask(cmask, group)
         part = dense_partial(q, keys[:, :, :fill], values[:, :, :fill], row_mask)
         state = part if state is None else combine(state, part)
         first, fill = first + fill, 0
@@ -261,6 +274,5 @@ def packed_attention(q: torch.Tensor, segments: list, overlays: list, column_mas
             fill, s0 = fill + n, s0 + n
     if fill:
         flush()
-    _, l, acc = state
-    out = acc / l.clamp_min(1e-30).unsqueeze(-1)
+    out, _ = finish(state)
     return out if rv32 is None else out @ rv32.t()

@@ -13,11 +13,12 @@ dequantize-then-SDPA reference all paths are tested against.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from .blockwise import combine, dense_partial, packed_attention, scratch, quant_mass_blockwise, quant_partial_blockwise
+from .blockwise import combine, dense_partial, finish, packed_attention, rows_mask, scratch, quant_mass_blockwise, quant_partial_blockwise
 from .segments import FullSegment, QuantSegment, Segment, split_overlays
 
 NEG_INF = float("-inf")
@@ -50,25 +51,10 @@ def _column_mask(mask: torch.Tensor | None, start: int, stop: int, q_len: int, t
     return (cols <= rows).view(1, 1, q_len, stop - start)
 
 
-def _rows_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
-    """[B|1, 1, L, T] -> [B|1, 1, group*L, T] matching the grouped query rows."""
-    if mask is None:
-        return None
-    return mask.repeat(1, 1, group, 1)
-
-
 # ---- partials ---------------------------------------------------------------------------------------------------------
 def _masked_scores(q, k, row_mask):
     s = q @ k.transpose(-1, -2)
     return s if row_mask is None else s.masked_fill(~row_mask, NEG_INF)
-
-
-def _merge(partials):
-    m = torch.stack([p[0] for p in partials]).amax(0)
-    m_safe = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-    l = sum(p[1] * torch.exp(p[0] - m_safe) for p in partials)
-    acc = sum(p[2] * torch.exp(p[0] - m_safe).unsqueeze(-1) for p in partials)
-    return acc / l.clamp_min(1e-30).unsqueeze(-1), m_safe + torch.log(l.clamp_min(1e-30))
 
 
 # ---- entry point ------------------------------------------------------------------------------------------------------
@@ -151,7 +137,7 @@ def decode_attention(
     if dense:  # every full-precision piece (tail, new tokens, overlays) in one partial
         dk, dv, row_mask = _dense_keys(dense, b, q_len, group)
         partials.append(dense_partial(q, dk, dv, row_mask))
-    out, lse = _merge(partials)
+    out, lse = finish(functools.reduce(combine, partials))
     mass = None
     if return_mass:
         mass = q.new_zeros((b, kv_heads, total))
@@ -222,7 +208,7 @@ def _dense_keys(dense, b: int, q_len: int, group: int):
         .expand(batch, 1, q_len, seg.tokens)
         for seg, _, cm in dense
     ]
-    return dk, dv, _rows_mask(torch.cat(cols, -1), group)
+    return dk, dv, rows_mask(torch.cat(cols, -1), group)
 
 
 def _overlaid_columns(overlays: list[FullSegment], start: int, stop: int, device) -> torch.Tensor | None:
