@@ -21,7 +21,11 @@ the cache layer found with `layer_of(key)`), then runs the first kernel in `KERN
 
 When the layer sets `wants_attention_mass`, the function then calls `layer.observe_visible_keys(visible)` (which keys
 the mask lets any query see; `None` when there is no mask) and `layer.observe_attention(mass)`. Masked keys and fully
-masked (padding) query rows contribute nothing to the mass.
+masked (padding) query rows contribute nothing to the mass. A layer that also sets `query_window = W > 0` first gets
+`layer.observe_queries(query[:, :, -W:], scaling)`: the (post-RoPE) queries of the last `W` positions of the call,
+`[batch, heads, min(W, q_len), head_dim]`. From them a policy can recompute the attention of a window of recent
+queries over whatever the layer holds (SnapKV, TOVA), also across decoding steps of one query each, which the summed
+mass cannot give.
 
 A fused dequantize+attention kernel (Triton on CUDA, blockwise torch on CPU) plugs in with `register_kernel(kernel,
 first=True)`: its `supports(call)` looks at `call.layer` (e.g. a layer exposing a compressed view of its storage) and
@@ -244,6 +248,9 @@ def hf_kvcache_attention(
     if call.want_mass:
         if mass is None:
             raise RuntimeError(f"kernel {kernel.name!r} was asked for the attention mass and returned none")
+        window = int(getattr(call.layer, "query_window", 0) or 0)
+        if window > 0:  # the last queries, for policies that score by the attention of a recent window
+            call.layer.observe_queries(query[:, :, -window:], call.scaling)
         call.layer.observe_visible_keys(visible_keys(call.mask, query.shape[0]))
         call.layer.observe_attention(mass)
     return out, None

@@ -42,12 +42,13 @@ def kept_positions(cache, layer=0):
     "options,match",
     [
         (dict(policy="lru"), "policy='lru' is not valid"),
-        (dict(budget=0), "at least 1 token"),
+        (dict(budget=0), "at least 2 tokens"),
+        (dict(budget=1), r"budget=1 keeps a single token; for all tokens use budget=1.0"),
         (dict(budget=1.5), r"ratio of the tokens seen, in \(0, 1\]"),
         (dict(budget="10"), "budget must be an int"),
         (dict(recent_ratio=0.5, heavy_ratio=0.5), "give at most one of"),
         (dict(policy="recent", recent_length=8), "keeps the most recent tokens"),
-        (dict(policy="strided", heavy_ratio=0.5), "applies to the h2o and hybrid policies"),
+        (dict(policy="strided", heavy_ratio=0.5), "applies to the policies that rank tokens by a score"),
         (dict(policy="h2o", sink_length=4), "sink_length applies to the sinks and hybrid"),
         (dict(recent_ratio=2.0), r"recent_ratio must be a number in \[0, 1\]"),
         (dict(bogus=1), r"unknown option\(s\) \['bogus'\]"),
@@ -128,7 +129,7 @@ def test_policies(policy, options, expected):
 
 
 def test_all_policies_registered_and_overridable():
-    assert set(POLICIES) == {"h2o", "recent", "sinks", "strided", "hybrid"}
+    assert set(POLICIES) == {"h2o", "tova", "snapkv", "knorm", "recent", "sinks", "strided", "hybrid"}
 
     class Odd(POLICIES["recent"]):
         def priority(self, view: SlotView, budget: int):

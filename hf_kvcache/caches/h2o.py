@@ -42,8 +42,10 @@ from typing import Any
 
 import torch
 
-from ..options import CacheOptions, check_choice
+from ..options import CacheOptions, check_choice, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
+from ..policy.base import window_attention
+from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
 from .base import LAYER_ATTR, CompressedCache, CompressedLayer
 
 DEFAULT_SINK_LENGTH = 4
@@ -57,14 +59,25 @@ MISSING_MASS = (
 )
 
 
+QUANT_BITS = (None, 8, 4, 2)
+WINDOW_POLICIES = ("snapkv",)  # policies whose observation window `window` sets
+
+
 @dataclass
 class H2OOptions(CacheOptions):
-    """`budget`: tokens kept per KV head -- an int (that many) or a float in (0, 1] (that fraction of the tokens seen,
-    rounded up). `policy`: h2o (heavy hitters + recent window), recent (sliding window / LRU), sinks (first tokens +
-    recent), strided (recent + evenly strided older tokens), hybrid (sinks + heavy hitters + recent).
+    """`budget`: tokens kept per KV head -- an int >= 2 (that many) or a float in (0, 1] (that fraction of the tokens
+    seen, rounded up; 1.0 keeps everything). `policy`: h2o (heavy hitters by accumulated attention + recent window),
+    tova (attention of the newest query), snapkv (attention of the last `window` queries, pooled, + that window),
+    knorm (lowest key norm, no attention needed), recent (sliding window / LRU), sinks (first tokens + recent),
+    strided (recent + evenly strided older tokens), hybrid (sinks + heavy hitters + recent).
     The recent window: at most one of `recent_length`, `recent_ratio` (fraction of the budget), `heavy_length`,
-    `heavy_ratio` (the window is what the heavy part leaves); default half of what the sinks leave. `sink_length`:
-    first tokens always kept by sinks / hybrid (default 4)."""
+    `heavy_ratio` (the window is what the heavy part leaves); default: the policy's share. `sink_length`: first tokens
+    always kept by sinks / hybrid (default 4). `decay` in (0, 1]: the accumulated mass of h2o / hybrid fades by that
+    factor per query (None = plain sum). `window`: snapkv's observation window in queries (default 32). `pool`:
+    snapkv's pooling width over neighbouring slots (odd, default 7; 1 = none).
+    `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
+    asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
+    head), so `memory_stats()` shows the real bytes."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -73,14 +86,24 @@ class H2OOptions(CacheOptions):
     recent_ratio: float | None = None
     heavy_length: int | None = None
     heavy_ratio: float | None = None
+    decay: float | None = None
+    window: int | None = None
+    pool: int | None = None
+    quant_bits: int | None = None
+    quant_group_size: int | None = None
 
     def validate(self) -> None:
         check_choice("policy", self.policy, tuple(POLICIES))
         b = self.budget
         if isinstance(b, bool) or not isinstance(b, (int, float)):
             raise ValueError(f"budget must be an int (tokens) or a float in (0, 1] (ratio), got {b!r}")
+        if isinstance(b, int) and b == 1:
+            raise ValueError(
+                "budget=1 keeps a single token; for all tokens use budget=1.0 (a float is a ratio of the tokens "
+                "seen), for a token count use an int >= 2"
+            )
         if isinstance(b, int) and b < 1:
-            raise ValueError(f"budget must be at least 1 token, got {b}")
+            raise ValueError(f"budget must be at least 2 tokens (an int) or a ratio in (0, 1] (a float), got {b}")
         if isinstance(b, float) and not 0.0 < b <= 1.0:
             raise ValueError(f"a float budget is a ratio of the tokens seen, in (0, 1]; got {b}")
         for name in ("sink_length", "recent_length", "heavy_length"):
@@ -101,12 +124,40 @@ class H2OOptions(CacheOptions):
         if given and not policy.needs_scores and policy.default_recent_share == 1.0:
             raise ValueError(
                 f"policy {self.policy!r} keeps the most recent tokens (after its sinks); {given[0]} applies to the "
-                "h2o, hybrid and strided policies"
+                "policies that rank tokens by a score"
             )
         if given and given[0].startswith("heavy") and not policy.needs_scores:
-            raise ValueError(f"{given[0]} applies to the h2o and hybrid policies, not {self.policy!r}")
+            raise ValueError(
+                f"{given[0]} applies to the policies that rank tokens by a score "
+                f"({', '.join(sorted(n for n, p in POLICIES.items() if p.needs_scores))}), not {self.policy!r}"
+            )
         if self.sink_length is not None and not policy.uses_sinks:
             raise ValueError(f"sink_length applies to the sinks and hybrid policies, not {self.policy!r}")
+        if self.decay is not None:
+            if not policy.uses_mass:
+                raise ValueError(
+                    f"decay applies to the policies that accumulate attention mass (h2o, hybrid), not {self.policy!r}"
+                )
+            if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
+                raise ValueError(f"decay must be a number in (0, 1] (the fading per query), got {self.decay!r}")
+        for name in ("window", "pool"):
+            v = getattr(self, name)
+            if v is None:
+                continue
+            if self.policy not in WINDOW_POLICIES:
+                raise ValueError(f"{name} applies to the {' / '.join(WINDOW_POLICIES)} policy, not {self.policy!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.pool is not None and self.pool % 2 == 0:
+            raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
+        if self.quant_bits not in QUANT_BITS or isinstance(self.quant_bits, bool):
+            raise ValueError(
+                f"quant_bits={self.quant_bits!r} is not valid; choose None (the model's dtype), 8, 4 or 2"
+            )
+        if self.quant_group_size is not None:
+            if self.quant_bits is None:
+                raise ValueError("quant_group_size applies when quant_bits is set (8, 4 or 2)")
+            check_positive_int("quant_group_size", self.quant_group_size)
 
     def budget_for(self, seen: int) -> int:
         """Tokens kept per KV head once `seen` tokens went through."""
@@ -116,24 +167,50 @@ class H2OOptions(CacheOptions):
 
     def make_policy(self) -> EvictionPolicy:
         sink = self.sink_length if self.sink_length is not None else DEFAULT_SINK_LENGTH
+        extra = {k: v for k, v in (("window", self.window), ("pool", self.pool)) if v is not None}
         return POLICIES[self.policy](
             sink_length=sink, recent_length=self.recent_length, recent_ratio=self.recent_ratio,
-            heavy_length=self.heavy_length, heavy_ratio=self.heavy_ratio,
+            heavy_length=self.heavy_length, heavy_ratio=self.heavy_ratio, decay=self.decay, **extra,
         )
 
 
 class H2OLayer(CompressedLayer):
-    """One layer's kept tokens, their scores, positions and padding flags (see the module docstring)."""
+    """One layer's kept tokens, their positions, padding flags and (policy permitting) scores, plus the queries of
+    the last `query_window` positions for window policies (see the module docstring)."""
 
     options: H2OOptions
-    wants_attention_mass = True  # all policies: the scores, and the padding flags of new tokens
+    wants_attention_mass = True  # all policies: the padding flags of new tokens, and the scores of h2o / hybrid
 
     def __init__(self, options: H2OOptions | None = None) -> None:
         super().__init__(options if options is not None else H2OOptions())
         self.policy = self.options.make_policy()
+        self.query_window = self.policy.query_window()  # read by the hf_kvcache attention
         self._pending = 0  # tokens of the last update still waiting for their attention mass
+        self._clear_queries()
+
+    def _clear_queries(self) -> None:
+        self.queries: torch.Tensor | None = None  # [batch, heads, <= W, head_dim], 16-bit
+        self.query_positions: torch.Tensor | None = None  # [<= W] int64
+        self.query_valid: torch.Tensor | None = None  # [batch, <= W] bool
+        self.scaling = 1.0
+        self._new_queries = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        bits, group = self.options.quant_bits, self.options.quant_group_size
+        if bits is not None:
+            for name, dim in (("head_dim", key_states.shape[-1]), ("value head_dim", value_states.shape[-1])):
+                if (group or dim) > dim or dim % (group or dim) or ((group or dim) * bits) % 8:
+                    raise ValueError(
+                        f"quant_group_size={group} must divide the {name} {dim} (and hold whole bytes of codes); "
+                        f"choose a divisor of {dim} such as {dim // 2}, or leave it None (one group per head)"
+                    )
+        super().lazy_initialization(key_states, value_states)
 
     # ---- storage ------------------------------------------------------------------------------------------------
+    @property
+    def quantized(self) -> bool:
+        return self.options.quant_bits is not None
+
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,10 +219,16 @@ class H2OLayer(CompressedLayer):
             raise RuntimeError(MISSING_MASS.format(cls=type(self).__name__, policy=self.options.policy))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.quantized and self.tokens_held():
+            past_k, past_v = self.materialize()  # the held tokens, dequantized; the new ones attend exactly
+            keys, values = torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
+        elif self.quantized:
+            keys, values = key_states, value_states
         self.cumulative_length += key_states.shape[-2]
         self.append(key_states, value_states)
+        if not self.quantized:
+            keys, values = self.store["keys"], self.store["values"]
         self._pending = key_states.shape[-2]
-        keys, values = self.store["keys"], self.store["values"]
         setattr(keys, LAYER_ATTR, self)
         return keys, values
 
@@ -153,20 +236,68 @@ class H2OLayer(CompressedLayer):
         b, h, n = key_states.shape[:3]
         start = self.cumulative_length - n
         dev = key_states.device
-        new = {
-            "keys": key_states,
-            "values": value_states,
-            "scores": torch.zeros(b, h, n, dtype=torch.float32, device=dev),
-            "positions": torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous(),
-            "valid": torch.ones(b, h, n, dtype=torch.bool, device=dev),
-        }
+        if self.quantized:
+            new = {**self._quantize("key", key_states), **self._quantize("value", value_states)}
+        else:
+            new = {"keys": key_states, "values": value_states}
+        if self.policy.uses_mass:
+            new["scores"] = torch.zeros(b, h, n, dtype=torch.float32, device=dev)
+        new["positions"] = torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous()
+        new["valid"] = torch.ones(b, h, n, dtype=torch.bool, device=dev)
         for name, t in new.items():
             self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store else t
 
+    def _quantize(self, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        """`{kind}_codes [b, h, n, packed]`, `{kind}_scale` / `{kind}_zero [b, h, n, groups]` (fp16): token-aligned,
+        so eviction gathers them like any other slot tensor."""
+        q = quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
+        return {f"{kind}_codes": q.codes, f"{kind}_scale": q.scale, f"{kind}_zero": q.zero}
+
+    def _dequantize(self, kind: str, dim: int) -> torch.Tensor:
+        s = self.store
+        q = KIVIQuantized(
+            s[f"{kind}_codes"], s[f"{kind}_scale"], s[f"{kind}_zero"], self.options.quant_bits,
+            self.options.quant_group_size or dim, "token", dim,
+        )
+        return dequantize_kivi(q, self.dtype)
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.quantized:
+            return self._dequantize("key", self.head_dim), self._dequantize("value", self.value_dim)
         return self.store["keys"], self.store["values"]
 
+    def held_keys(self) -> torch.Tensor:
+        """`[batch, kv_heads, slots, head_dim]` the held keys in the model's dtype (dequantized when quantized)."""
+        return self._dequantize("key", self.head_dim) if self.quantized else self.store["keys"]
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        ring = [t for t in (self.queries, self.query_positions, self.query_valid) if t is not None]
+        return list(self.store.values()) + ring
+
     # ---- what the attention function reports --------------------------------------------------------------------
+    def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
+        """The last `query_window` queries of this forward `[batch, heads, w, head_dim]` (post-RoPE): kept in a ring
+        of the last `query_window` queries (16-bit), with their positions and padding flags."""
+        if not self._pending or not self.query_window:
+            return
+        w = queries.shape[2]
+        if w > self._pending:
+            raise ValueError(f"{w} queries reported for {self._pending} new tokens")
+        dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
+        q = queries.detach().to(dtype)
+        pos = torch.arange(self.cumulative_length - w, self.cumulative_length, device=q.device)
+        valid = torch.ones(q.shape[0], w, dtype=torch.bool, device=q.device)
+        if self.queries is not None and self.queries.shape[0] == q.shape[0]:
+            q = torch.cat([self.queries, q], dim=2)
+            pos = torch.cat([self.query_positions, pos])
+            valid = torch.cat([self.query_valid, valid], dim=1)
+        keep = self.query_window
+        # compact copies: a slice would keep the model's whole query tensor (or the previous ring) alive
+        self.queries = q[:, :, -keep:].clone(memory_format=torch.contiguous_format)
+        self.query_positions, self.query_valid = pos[-keep:].clone(), valid[:, -keep:].clone()
+        self.scaling = float(scaling)
+        self._new_queries = w
+
     def observe_visible_keys(self, visible: torch.Tensor | None) -> None:
         if visible is None or not self._pending:
             return
@@ -175,26 +306,48 @@ class H2OLayer(CompressedLayer):
         if visible.shape != (valid.shape[0], valid.shape[2]):
             raise ValueError(f"visible keys {tuple(visible.shape)} do not match the held slots {tuple(valid.shape)}")
         valid[:, :, -n:] &= visible[:, None, -n:].to(valid.device)
+        if self._new_queries and self.query_valid is not None:  # a padding position is no query either
+            w = min(self._new_queries, self.query_valid.shape[1])
+            self.query_valid[:, -w:] &= visible[:, -w:].to(self.query_valid.device)
 
     def observe_attention(self, mass: torch.Tensor) -> None:
         if not self._pending:
             return  # e.g. the attention of a layer called twice per forward: count the first call only
-        scores = self.store["scores"]
-        if mass.shape != scores.shape:
-            raise ValueError(f"attention mass {tuple(mass.shape)} does not match the held slots {tuple(scores.shape)}")
-        scores += mass.to(scores.device, torch.float32)
+        valid = self.store["valid"]
+        if mass.shape != valid.shape:
+            raise ValueError(f"attention mass {tuple(mass.shape)} does not match the held slots {tuple(valid.shape)}")
+        if self.policy.uses_mass:
+            scores = self.store["scores"]
+            if self.policy.decay is not None and self.policy.decay < 1:
+                # the held tokens' mass fades per new query; the new mass is added as it came
+                scores.mul_(self.policy.decay ** self._pending)
+            scores += mass.to(scores.device, torch.float32)
         self._pending = 0
+        self._new_queries = 0
         self.evict()
 
     # ---- eviction -----------------------------------------------------------------------------------------------
     def slot_view(self) -> SlotView:
-        return SlotView(self.store["scores"], self.store["positions"], self.store["valid"])
+        s = self.store
+        uses_window = self.query_window > 0 and self.queries is not None
+        keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
+        window = None
+        if uses_window:
+            window = window_attention(
+                self.queries, self.query_positions, self.query_valid, keys, s["positions"], s["valid"], self.scaling
+            )
+        return SlotView(
+            s.get("scores"), s["positions"], s["valid"], seen=self.cumulative_length, keys=keys, window=window
+        )
 
     def evict(self) -> None:
         """Keep the policy's `budget` slots of every (row, KV head)."""
         if not self.store:
             return
-        keep = self.policy.select(self.slot_view(), self.options.budget_for(self.cumulative_length))
+        budget = self.options.budget_for(self.cumulative_length)
+        if budget >= self.tokens_held():
+            return
+        keep = self.policy.select(self.slot_view(), budget)
         if keep is None:
             return
 
@@ -212,6 +365,22 @@ class H2OLayer(CompressedLayer):
     def evicted(self) -> int:
         return self.cumulative_length - self.tokens_held() if self._pending == 0 else 0
 
+    def _map_queries(self, fn) -> None:
+        if self.queries is not None:
+            self.queries, self.query_valid = fn(self.queries), fn(self.query_valid)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_queries(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_queries(lambda t: t[indices])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_queries(lambda t: t.repeat_interleave(repeats, dim=0))
+
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized and self.evicted() > 0:
             raise ValueError(
@@ -221,10 +390,15 @@ class H2OLayer(CompressedLayer):
                 "that covers the whole sequence)."
             )
         super().crop(tokens_to_remove)
+        if self.queries is not None:  # queries of cropped positions go too
+            keep = self.query_positions < self.cumulative_length
+            self.queries, self.query_positions = self.queries[:, :, keep], self.query_positions[keep]
+            self.query_valid = self.query_valid[:, keep]
 
     def reset(self) -> None:
         super().reset()
         self._pending = 0
+        self._clear_queries()
 
 
 class H2OCache(CompressedCache):

@@ -4,12 +4,16 @@ from .base import EvictionPolicy, SlotView
 from .cpac_features import KeyRotation, importance_weight, page_features, threshold_for_pressure
 from .h2o import H2OPolicy
 from .hybrid import HybridPolicy
+from .knorm import KNormPolicy
 from .recent import RecentPolicy
 from .sinks import SinksPolicy
+from .snapkv import SnapKVPolicy
 from .strided import StridedPolicy
+from .tova import TOVAPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
-    p.name: p for p in (H2OPolicy, RecentPolicy, SinksPolicy, StridedPolicy, HybridPolicy)
+    p.name: p
+    for p in (H2OPolicy, TOVAPolicy, SnapKVPolicy, KNormPolicy, RecentPolicy, SinksPolicy, StridedPolicy, HybridPolicy)
 }
 
 __all__ = [
@@ -22,6 +26,9 @@ __all__ = [
     "POLICIES",
     "H2OPolicy",
     "HybridPolicy",
+    "KNormPolicy",
+    "SnapKVPolicy",
+    "TOVAPolicy",
     "RecentPolicy",
     "SinksPolicy",
     "StridedPolicy",

@@ -4,6 +4,11 @@ A policy overrides one method, `priority(view, budget)`: a number per held slot,
 `budget` slots of highest priority in every (batch row, KV head) -- each KV head keeps its own tokens -- after sending
 padding to the bottom (`-inf`), so padding is always evicted first and never counts as a heavy hitter. Protect a slot
 by giving it `+inf` (sinks, the recent window); rank the rest by attention score or by position.
+
+What a policy can read (`SlotView`): the accumulated attention mass (`scores`, for policies with `uses_mass`), the
+positions and padding flags, the held keys (query-agnostic scores such as the key norm), and `window`: the attention
+each of the last `query_window()` queries gives each held slot, recomputed by the layer from the queries the
+`"hf_kvcache"` attention reports (`window_attention`), so it covers the queries of several decoding steps too.
 """
 
 from __future__ import annotations
@@ -19,9 +24,19 @@ INF = float("inf")
 class SlotView:
     """The held slots of one layer, `[batch, kv_heads, slots]` each, in order of position (oldest first)."""
 
-    scores: torch.Tensor  # float32: attention mass received so far (summed over query heads of the group and queries)
+    scores: torch.Tensor | None  # float32 attention mass received so far (summed over the query heads of the group
+    # and the queries, decayed by the policy's `decay`); None unless the policy `uses_mass`
     positions: torch.Tensor  # int: position of the token in its sequence (padding included)
     valid: torch.Tensor  # bool: False for padding
+    seen: int = 0  # tokens the layer has seen: the slot at position p was visible to `seen - p` queries
+    keys: torch.Tensor | None = None  # [batch, kv_heads, slots, head_dim] held keys (post-RoPE); None if not needed
+    window: torch.Tensor | None = None  # [batch, kv_heads, W, slots] float32: attention of each of the last W
+    # queries (oldest first, summed over the query heads of the group); 0 where the query could not see the slot
+    # (a newer token), and rows of 0 for queries not seen yet or padding queries
+
+    def seen_by(self) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` float: how many queries (itself included) could attend each slot."""
+        return (self.seen - self.positions).clamp(min=1).float()
 
     def rank(self) -> torch.Tensor:
         """0 for the oldest real token of each row/head, 1 for the next... (meaningless on padding slots)."""
@@ -50,7 +65,9 @@ class EvictionPolicy:
     """
 
     name = ""
-    needs_scores = False
+    needs_scores = False  # ranks a "heavy" part of the budget by a score (heavy_length / heavy_ratio apply)
+    uses_mass = False  # reads the accumulated attention mass (`view.scores`); the layer stores it only then
+    uses_keys = False  # reads the held keys (`view.keys`)
     uses_sinks = False
     default_recent_share = 1.0
 
@@ -61,7 +78,13 @@ class EvictionPolicy:
         recent_ratio: float | None = None,
         heavy_length: int | None = None,
         heavy_ratio: float | None = None,
+        window: int = 32,
+        decay: float | None = None,
+        pool: int = 1,
     ) -> None:
+        self.window = window  # queries of the observation window (policies whose `query_window` uses it)
+        self.decay = decay  # accumulated mass fades by `decay` per query (None = plain sum); policies with uses_mass
+        self.pool = pool  # width of the pooling over neighbouring slots (1 = none)
         self.sink_length = sink_length
         self.recent_length = recent_length
         self.recent_ratio = recent_ratio
@@ -84,6 +107,10 @@ class EvictionPolicy:
             recent = _round(self.default_recent_share * rest)
         return sinks, max(0, min(recent, rest))
 
+    def query_window(self) -> int:
+        """Recent queries whose attention this policy reads (`view.window`); 0 = none (the default)."""
+        return 0
+
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         """`[batch, kv_heads, slots]`: higher = keep. The one method a policy overrides."""
         raise NotImplementedError
@@ -101,3 +128,31 @@ class EvictionPolicy:
 
 def _round(x: float) -> int:
     return int(x + 0.5)
+
+
+def window_attention(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+) -> torch.Tensor:
+    """Attention of recent queries over the held keys, per KV head: `[batch, kv_heads, W, slots]` float32.
+
+    `queries [batch, heads, W, head_dim]` (heads a multiple of kv_heads, grouped as GQA does), `query_positions [W]`,
+    `query_valid [batch, W]` (False: padding or not seen yet -> a row of 0), `keys [batch, kv_heads, slots, head_dim]`,
+    `key_positions` / `key_valid [batch, kv_heads, slots]`. A query sees the valid keys at positions up to its own;
+    each query head's softmax is over those, and the heads of a group are summed.
+    """
+    b, heads, w, d = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    g = heads // kv_heads
+    q = queries.float().reshape(b, kv_heads, g * w, d)
+    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling).view(b, kv_heads, g, w, slots)
+    visible = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= query_positions[None, None, :, None])
+    logits.masked_fill_(~visible[:, :, None], -INF)
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: a row of 0
+    probs = probs.sum(2)
+    return probs.masked_fill_(~query_valid[:, None, :, None], 0.0)

@@ -1,4 +1,7 @@
-"""`h2o`: Heavy-Hitter Oracle -- a recent window plus the tokens that received the most attention so far."""
+"""`h2o`: Heavy-Hitter Oracle -- a recent window plus the tokens that received the most attention so far.
+
+With `decay` (H2OOptions) the accumulated mass fades by that factor per query, so old attention counts less.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +13,7 @@ from .base import INF, EvictionPolicy, SlotView
 class H2OPolicy(EvictionPolicy):
     name = "h2o"
     needs_scores = True
+    uses_mass = True
     default_recent_share = 0.5
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:

@@ -1,0 +1,290 @@
+"""Window / query-agnostic eviction policies (tova, snapkv, knorm, h2o decay), the query window the attention reports,
+eviction + quantization (quant_bits), and the budget errors."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_kvcache  # noqa: F401  (registers the attention)
+from hf_kvcache import H2OCache
+from hf_kvcache.caches.h2o import H2OOptions
+from hf_kvcache.policy import POLICIES, SlotView
+from hf_kvcache.policy.base import window_attention
+
+B, H, G, D, LAYERS = 2, 2, 2, 16, 2
+
+
+def tiny_config(head_dim=D):
+    return LlamaConfig(
+        num_hidden_layers=LAYERS, num_attention_heads=H * G, num_key_value_heads=H, head_dim=head_dim, hidden_size=64,
+        intermediate_size=128, vocab_size=97,
+    )
+
+
+def feed(cache, k, v, q=None, mass=None, visible=None, scaling=1.0):
+    """One forward's worth of cache traffic without a model: update, report queries / visibility / mass."""
+    for i in range(LAYERS):
+        keys, _ = cache.update(k, v, i)
+        layer = cache.layers[i]
+        if layer.query_window and q is not None:
+            layer.observe_queries(q[:, :, -layer.query_window:], scaling)
+        layer.observe_visible_keys(visible)
+        layer.observe_attention(torch.zeros(B, H, keys.shape[2]) if mass is None else mass(keys.shape[2]))
+
+
+def kept(cache, layer=0):
+    return cache.layers[layer].store["positions"].long()
+
+
+def one_hot_keys(n, scale=1.0):
+    """Keys `[B, H, n, D]`: token t points along channel t % D (scaled), so a query picks tokens by channel."""
+    k = torch.zeros(B, H, n, D)
+    k[:, :, torch.arange(n), torch.arange(n) % D] = scale
+    return k
+
+
+# ---- the window the layer recomputes ------------------------------------------------------------------------------
+def test_window_attention_equals_eager_softmax_rows():
+    g = torch.Generator().manual_seed(0)
+    w, slots = 3, 7
+    q = torch.randn(B, H * G, w, D, generator=g)
+    k = torch.randn(B, H, slots, D, generator=g)
+    pos = torch.tensor([0, 2, 3, 5, 6, 7, 8]).expand(B, H, slots)
+    q_pos = torch.tensor([6, 7, 8])
+    valid = torch.ones(B, H, slots, dtype=torch.bool)
+    valid[1, :, 0] = False  # padding
+    q_valid = torch.ones(B, w, dtype=torch.bool)
+    q_valid[0, 0] = False
+    got = window_attention(q, q_pos, q_valid, k, pos, valid, 0.25)
+    ref = torch.zeros(B, H, w, slots)
+    for b in range(B):
+        for h in range(H * G):
+            s = (q[b, h] @ k[b, h // G].T) * 0.25
+            see = valid[b, h // G][None] & (pos[b, h // G][None] <= q_pos[:, None])
+            p = s.masked_fill(~see, float("-inf")).softmax(-1)
+            ref[b, h // G] += p * q_valid[b, :, None]
+    torch.testing.assert_close(got, ref)
+    assert got[0, :, 0].abs().sum() == 0 and got[1, :, :, 0].abs().sum() == 0
+
+
+def test_attention_reports_the_last_queries(tiny_model):
+    """Through the model: the ring holds the last W queries of the attention call, their positions and flags."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    cache = H2OCache(config=model.config, budget=100, policy="snapkv", window=4)
+    ids = torch.randint(0, 97, (B, 6), generator=torch.Generator().manual_seed(0))
+    am = torch.ones(B, 6, dtype=torch.long)
+    am[1, :4] = 0  # row 1: 4 padding positions, its window holds 2 real queries
+    with torch.inference_mode():
+        model(ids, attention_mask=am, past_key_values=cache)
+        layer = cache.layers[1]
+        assert layer.queries.shape == (B, H * G, 4, D) and layer.query_positions.tolist() == [2, 3, 4, 5]
+        assert layer.query_valid.tolist() == [[True] * 4, [False, False, True, True]]
+        model(ids[:, :1], attention_mask=torch.cat([am, torch.ones(B, 1, dtype=torch.long)], 1), past_key_values=cache)
+        assert layer.query_positions.tolist() == [3, 4, 5, 6]
+        assert layer.query_valid.tolist() == [[True] * 4, [False, True, True, True]]
+    # bytes of the ring are counted
+    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    assert layer.nbytes() == sum(t.nbytes for t in layer.store.values()) + ring
+
+
+# ---- each policy ------------------------------------------------------------------------------------------------
+def test_tova_keeps_what_the_newest_query_attends():
+    cache = H2OCache(config=tiny_config(), budget=3, policy="tova")
+    k = one_hot_keys(8)
+    q = torch.zeros(B, H * G, 8, D)
+    q[:, :, -1, [1, 4, 6]] = 20.0  # the newest query looks at tokens 1, 4, 6 (older queries look elsewhere)
+    q[:, :, :-1, [0, 2, 3]] = 20.0
+    feed(cache, k, k, q=q)
+    assert kept(cache)[0, 0].tolist() == [1, 4, 6] and kept(cache, 1)[1, 1].tolist() == [1, 4, 6]
+    assert "scores" not in cache.layers[0].store  # no accumulated mass stored for window policies
+
+
+def test_snapkv_window_pooling_and_protected_window():
+    cache = H2OCache(config=tiny_config(), budget=6, policy="snapkv", window=2, pool=1)
+    k = one_hot_keys(12)
+    q = torch.zeros(B, H * G, 12, D)
+    q[:, :, -2:, [2, 5]] = 20.0  # the last two queries look at tokens 2 and 5, and at nothing newer
+    feed(cache, k, k, q=q)
+    # the observation window (2 newest tokens) is kept, then the 4 best by window attention: 2, 5 and two of the rest
+    pos = kept(cache)[0, 0].tolist()
+    assert {2, 5, 10, 11} <= set(pos) and len(pos) == 6
+    # pooling: neighbours of an attended token win over lone tokens
+    cache = H2OCache(config=tiny_config(), budget=5, policy="snapkv", window=1, pool=3)
+    q = torch.zeros(B, H * G, 12, D)
+    q[:, :, -1, 5] = 20.0  # one strong token -> its neighbours 4 and 6 get a third of it after pooling
+    q[:, :, -1, 9] = 2.0
+    feed(cache, k, k, q=q)
+    assert kept(cache)[0, 0].tolist()[:3] == [4, 5, 6]
+    # the window never takes more than half the budget (the sink survives a small early budget)
+    assert POLICIES["snapkv"](window=32).split(10)[1] == 0
+    view = SlotView(None, torch.arange(10)[None, None], torch.ones(1, 1, 10, dtype=torch.bool),
+                    window=torch.zeros(1, 1, 1, 10))
+    view.window[..., 0] = 1.0
+    assert POLICIES["snapkv"](window=32, pool=1).select(view, 4).tolist() == [[[0, 7, 8, 9]]] or \
+        POLICIES["snapkv"](window=32, pool=1).select(view, 4)[0, 0, 0].item() == 0
+
+
+def test_knorm_keeps_lowest_norm_keys_without_attention():
+    cache = H2OCache(config=tiny_config(), budget=3, policy="knorm")
+    norms = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0])
+    k = torch.zeros(B, H, 6, D)
+    k[..., 0] = norms
+    feed(cache, k, k)  # no queries needed
+    assert kept(cache)[1, 0].tolist() == [1, 3, 5]
+    assert cache.layers[0].query_window == 0
+
+
+def test_h2o_decay_fades_old_mass():
+    plain = H2OCache(config=tiny_config(), budget=2, recent_length=0)
+    faded = H2OCache(config=tiny_config(), budget=2, recent_length=0, decay=0.5)
+    k = torch.randn(B, H, 2, D)
+    for cache in (plain, faded):
+        feed(cache, k, k, mass=lambda n: torch.tensor([1.0, 0.0]).expand(B, H, n).clone())
+        # 4 queries later token 2 draws 0.2 per forward: 1.0 * 0.5**4 < 0.2 once faded
+        for _ in range(4):
+            feed(cache, k[:, :, :1], k[:, :, :1], mass=lambda n: torch.tensor([0.0] * (n - 1) + [0.2]).expand(B, H, n).clone())
+    assert 0 in kept(plain)[0, 0].tolist()
+    assert 0 not in kept(faded)[0, 0].tolist()
+    assert torch.allclose(faded.layers[0].store["scores"][0, 0].max(), torch.tensor(0.2))
+
+
+# ---- options and budgets -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options,match",
+    [
+        (dict(budget=1), r"budget=1 keeps a single token; for all tokens use budget=1\.0"),
+        (dict(policy="tova", decay=0.9), "decay applies to the policies that accumulate attention mass"),
+        (dict(decay=1.5), r"decay must be a number in \(0, 1\]"),
+        (dict(policy="tova", window=4), "window applies to the snapkv policy"),
+        (dict(policy="snapkv", pool=4), "pool must be odd"),
+        (dict(policy="snapkv", window=0), "window must be a positive integer"),
+        (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
+        (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
+        (dict(policy="knorm", sink_length=2), "sink_length applies to the sinks and hybrid"),
+    ],
+)
+def test_bad_options(options, match):
+    with pytest.raises(ValueError, match=match):
+        H2OCache(config=tiny_config(), **options)
+
+
+def test_budget_one_float_keeps_everything_and_group_must_divide_head_dim():
+    cache = H2OCache(config=tiny_config(), budget=1.0)
+    feed(cache, torch.randn(B, H, 9, D), torch.randn(B, H, 9, D))
+    assert cache.tokens_held() == 9
+    cache = H2OCache(config=tiny_config(), budget=4, quant_bits=4, quant_group_size=6)
+    with pytest.raises(ValueError, match="quant_group_size=6 must divide the head_dim 16"):
+        cache.update(torch.randn(B, H, 3, D), torch.randn(B, H, 3, D), 0)
+
+
+# ---- eviction + quantization ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("bits,group", [(8, None), (4, 8), (2, 8)])
+def test_quantized_storage_bytes_and_values(bits, group):
+    cache = H2OCache(config=tiny_config(), budget=6, policy="tova", quant_bits=bits, quant_group_size=group)
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(B, H, 10, D, generator=g), torch.randn(B, H, 10, D, generator=g)
+    q = torch.randn(B, H * G, 10, D, generator=g)
+    feed(cache, k, v, q=q)
+    layer = cache.layers[0]
+    groups = D // (group or D)
+    per_slot = 2 * (D * bits // 8 + 2 * 2 * groups) + 4 + 1  # codes + fp16 scale/zero, keys and values; pos, valid
+    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    assert layer.nbytes() == B * H * 6 * per_slot + ring
+    pos = kept(cache)
+    mk, mv = layer.materialize()
+    ref_k = k.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, D))
+    ref_v = v.gather(2, pos.unsqueeze(-1).expand(-1, -1, -1, D))
+    tol = {8: 0.03, 4: 0.4, 2: 1.5}[bits]
+    assert (mk - ref_k).abs().max() < tol and (mv - ref_v).abs().max() < tol
+    assert mk.dtype == k.dtype
+
+
+def test_quantized_40_percent_at_4_bits_is_about_9x_smaller_than_fp16():
+    cache = H2OCache(config=tiny_config(head_dim=64), budget=0.4, policy="knorm", quant_bits=4)
+    k = torch.randn(1, H, 500, 64)
+    for i in range(LAYERS):
+        cache.update(k, k, i)
+        cache.layers[i].observe_attention(torch.zeros(1, H, 500))
+    stats = cache.memory_stats()
+    assert cache.tokens_held() == 200
+    assert 8.0 < stats["ratio"] < 9.0, stats  # 36 B codes+scale per tensor per token, + 5 B position / flag
+
+
+# ---- a tiny random Llama: batch, left padding, decode-time eviction ---------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model():
+    torch.manual_seed(0)
+    return LlamaForCausalLM(tiny_config()).eval()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(policy="tova"), dict(policy="snapkv", window=8, pool=3), dict(policy="knorm"),
+        dict(policy="h2o", decay=0.9), dict(policy="tova", quant_bits=4, quant_group_size=8),
+    ],
+    ids=["tova", "snapkv", "knorm", "h2o-decay", "tova-int4"],
+)
+def test_padded_batch_prefill_then_decode_equals_dense_over_kept(tiny_model, options):
+    """Left-padded batch: after a prefill and after every decode step (each evicting one token), the next step
+    through H2OCache equals a DynamicCache holding exactly the kept (dequantized) keys/values."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (B, 30), generator=g)
+    am = torch.ones(B, 30, dtype=torch.long)
+    am[1, :7] = 0
+    positions = (am.cumsum(-1) - 1).clamp(min=0)
+    cache = H2OCache(config=model.config, budget=9, **options)
+    with torch.inference_mode():
+        model(ids[:, :24], attention_mask=am[:, :24], past_key_values=cache, position_ids=positions[:, :24])
+        for t in range(24, 30):
+            assert cache.tokens_held() == 9 and cache.get_seq_length() == t
+            dense = DynamicCache(config=model.config)
+            for i, layer in enumerate(cache.layers):
+                k, v = layer.materialize()
+                dense.update(k.clone(), v.clone(), i)
+            valid = cache.layers[0].store["valid"][:, 0].long()
+            sl = slice(t, t + 1)
+            out = model(ids[:, sl], attention_mask=am[:, : t + 1], past_key_values=cache,
+                        position_ids=positions[:, sl]).logits
+            ref = model(ids[:, sl], attention_mask=torch.cat([valid, am[:, sl]], 1), past_key_values=dense,
+                        position_ids=positions[:, sl]).logits
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert cache.layers[0].store["valid"][1].all()  # padding went first
+
+
+def test_beam_reorder_moves_the_query_ring(tiny_model):
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    cache = H2OCache(config=model.config, budget=5, policy="snapkv", window=3)
+    with torch.inference_mode():
+        model(torch.randint(0, 97, (B, 8), generator=torch.Generator().manual_seed(2)), past_key_values=cache)
+    layer = cache.layers[0]
+    q = layer.queries.clone()
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(layer.queries, q.flip(0))
+    cache.batch_repeat_interleave(2)
+    assert layer.queries.shape[0] == 4 and layer.query_valid.shape[0] == 4
+    cache.reset()
+    assert layer.queries is None and cache.memory_stats()["bytes"] == 0
+
+
+# ---- the real model --------------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_generate_with_quant_bits_by_name(smol, pydoc_text):
+    from hf_kvcache.eval import load_tokens
+
+    model, tok = smol
+    ids = load_tokens(tok, pydoc_text, 0, 80)
+    try:
+        out = model.generate(ids, cache_implementation="h2o", max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             cache_config={"budget": 0.4, "policy": "tova", "quant_bits": 4},
+                             return_dict_in_generate=True)
+        cache = out.past_key_values
+        assert isinstance(cache, H2OCache) and cache.get_seq_length() == 85
+        assert cache.tokens_held() == 34 and "key_codes" in cache.layers[0].store
+        assert cache.memory_stats()["ratio"] > 5
+    finally:
+        model.set_attn_implementation("sdpa")
