@@ -199,7 +199,12 @@ def _prepare(module, query, key, value, attention_mask, dropout, scaling, is_cau
     if attention_mask is not None and attention_mask.dim() != 4:
         raise ValueError(f"attention_mask must be 4D [batch, 1|heads, q, kv], got shape {tuple(attention_mask.shape)}")
     if attention_mask is not None:
-        attention_mask = attention_mask[..., :kv_len]  # static caches may hand over a longer mask
+        if getattr(layer, "mask_from_end", False) and attention_mask.shape[-1] > kv_len:
+            # a layer that holds fewer slots than the layer the mask was built for (per-layer budgets): its held
+            # slots are the newest of that layer's, so the mask's last columns are its own
+            attention_mask = attention_mask[..., -kv_len:]
+        else:
+            attention_mask = attention_mask[..., :kv_len]  # static caches may hand over a longer mask
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
     if causal and kv_len > q_len:

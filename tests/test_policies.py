@@ -4,11 +4,15 @@ eviction + quantization (quant_bits), and the budget errors."""
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
 
 import hf_kvcache  # noqa: F401  (registers the attention)
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.h2o import H2OOptions
 from hf_kvcache.policy import POLICIES, SlotView
+from hf_kvcache import attention as attn
+from hf_kvcache.caches.base import LAYER_ATTR, CompressedLayer
 from hf_kvcache.policy.base import window_attention
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
@@ -162,11 +166,18 @@ def test_h2o_decay_fades_old_mass():
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
         (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
         (dict(policy="knorm", sink_length=2), "sink_length applies to the sinks and hybrid"),
+        (dict(budget=100, min_budget=10), "min_budget applies to a ratio budget"),
+        (dict(min_budget=0), "min_budget must be a positive integer"),
     ],
 )
 def test_bad_options(options, match):
     with pytest.raises(ValueError, match=match):
         H2OCache(config=tiny_config(), **options)
+
+
+def test_min_budget_floors_a_ratio_budget():
+    opts = H2OOptions(budget=0.2, min_budget=64)
+    assert opts.budget_for(32) == 64 and opts.budget_for(320) == 64 and opts.budget_for(1000) == 200
 
 
 def test_budget_one_float_keeps_everything_and_group_must_divide_head_dim():
@@ -269,6 +280,60 @@ def test_beam_reorder_moves_the_query_ring(tiny_model):
     assert layer.queries.shape[0] == 4 and layer.query_valid.shape[0] == 4
     cache.reset()
     assert layer.queries is None and cache.memory_stats()["bytes"] == 0
+
+
+def test_pyramid_layer_budgets_shrink_storage_and_decode_equals_dense(tiny_model):
+    """Per-layer budgets (`pyramid`): the first layer holds the most, each layer holds its own budget, bytes fall
+    with it, and a decode step equals a DynamicCache holding exactly each layer's kept keys/values."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 25), generator=torch.Generator().manual_seed(4))
+    cache = H2OCache(config=model.config, budget=8, policy="snapkv", window=4, pyramid=0.5)
+    assert [layer.budget_scale for layer in cache.layers] == [1.5, 0.5]
+    with torch.inference_mode():
+        model(ids[:, :24], past_key_values=cache)
+        assert [layer.tokens_held() for layer in cache.layers] == [12, 4]
+        dense = DynamicCache(config=model.config)
+        for i, layer in enumerate(cache.layers):
+            dense.update(*(t.clone() for t in layer.materialize()), i)
+        pos = torch.tensor([[24]] * B)
+        out = model(ids[:, 24:], past_key_values=cache, position_ids=pos).logits
+        ref = model(ids[:, 24:], past_key_values=dense, position_ids=pos).logits
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    flat = H2OCache(config=model.config, budget=8, policy="snapkv", window=4)
+    with pytest.raises(ValueError, match=r"pyramid must be a number in \[0, 1\)"):
+        H2OCache(config=model.config, pyramid=1.0)
+    with pytest.raises(ValueError, match="pyramid .* needs the model config"):
+        H2OCache(pyramid=0.5)
+    assert flat.layers[0].budget_scale == 1.0
+
+
+class _Module(torch.nn.Module):
+    num_key_value_groups, is_causal = 2, True
+
+
+class _Recorder(CompressedLayer):
+    wants_attention_mass = True
+
+    def observe_attention(self, mass):
+        self.mass = mass
+
+
+def _attn_inputs():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(2, 4, 3, D, generator=g), torch.randn(2, 2, 7, D, generator=g), torch.randn(2, 2, 7, D, generator=g)
+
+
+def test_layer_with_mask_from_end_reads_the_last_mask_columns():
+    """A layer holding fewer slots than the layer the mask was built for (per-layer budgets) reads the last columns."""
+    q, k, v = _attn_inputs()
+    mask = sdpa_mask(2, 3, 9, q_offset=6, attention_mask=torch.arange(9)[None] >= torch.tensor([0, 3])[:, None], allow_is_causal_skip=False)  # built for 6 held slots; this layer holds 4
+    layer = _Recorder()
+    layer.mask_from_end = True
+    setattr(k, LAYER_ATTR, layer)
+    out, _ = attn.hf_kvcache_attention(_Module(), q, k, v, mask)
+    ref, _ = sdpa_attention_forward(_Module(), q, k, v, mask[..., -7:], is_causal=False)
+    torch.testing.assert_close(out, ref)
 
 
 # ---- the real model --------------------------------------------------------------------------------------------------

@@ -67,17 +67,20 @@ WINDOW_POLICIES = ("snapkv",)  # policies whose observation window `window` sets
 class H2OOptions(CacheOptions):
     """`budget`: tokens kept per KV head -- an int >= 2 (that many) or a float in (0, 1] (that fraction of the tokens
     seen, rounded up; 1.0 keeps everything). `policy`: h2o (heavy hitters by accumulated attention + recent window),
-    tova (attention of the newest query), snapkv (attention of the last `window` queries, pooled, + that window),
+    tova (attention of the newest query), snapkv (attention of the last `window` queries + that window),
     knorm (lowest key norm, no attention needed), recent (sliding window / LRU), sinks (first tokens + recent),
     strided (recent + evenly strided older tokens), hybrid (sinks + heavy hitters + recent).
     The recent window: at most one of `recent_length`, `recent_ratio` (fraction of the budget), `heavy_length`,
     `heavy_ratio` (the window is what the heavy part leaves); default: the policy's share. `sink_length`: first tokens
     always kept by sinks / hybrid (default 4). `decay` in (0, 1]: the accumulated mass of h2o / hybrid fades by that
     factor per query (None = plain sum). `window`: snapkv's observation window in queries (default 32). `pool`:
-    snapkv's pooling width over neighbouring slots (odd, default 7; 1 = none).
+    snapkv's pooling width over neighbouring slots (odd; default 1 = none).
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
-    head), so `memory_stats()` shows the real bytes."""
+    head), so `memory_stats()` shows the real bytes.
+    `pyramid` p in [0, 1): per-layer budgets (PyramidKV-style), from (1 + p) x the budget in the first layer down to
+    (1 - p) x in the last (same total). `min_budget`: with a ratio budget, never keep fewer than this many tokens
+    (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7)."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -91,6 +94,8 @@ class H2OOptions(CacheOptions):
     pool: int | None = None
     quant_bits: int | None = None
     quant_group_size: int | None = None
+    pyramid: float | None = None
+    min_budget: int | None = None
 
     def validate(self) -> None:
         check_choice("policy", self.policy, tuple(POLICIES))
@@ -158,12 +163,31 @@ class H2OOptions(CacheOptions):
             if self.quant_bits is None:
                 raise ValueError("quant_group_size applies when quant_bits is set (8, 4 or 2)")
             check_positive_int("quant_group_size", self.quant_group_size)
+        if self.min_budget is not None:
+            check_positive_int("min_budget", self.min_budget)
+            if not isinstance(b, float):
+                raise ValueError("min_budget applies to a ratio budget (a float); an int budget is fixed already")
+        p = self.pyramid
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1):
+            raise ValueError(
+                f"pyramid must be a number in [0, 1) (layer budgets from (1 + pyramid) x budget in the first layer "
+                f"down to (1 - pyramid) x in the last), got {p!r}"
+            )
 
-    def budget_for(self, seen: int) -> int:
-        """Tokens kept per KV head once `seen` tokens went through."""
+    def budget_for(self, seen: int, scale: float = 1.0) -> int:
+        """Tokens kept per KV head once `seen` tokens went through, in a layer whose budget is `scale` x the
+        budget (per-layer budgets, `pyramid`)."""
         if isinstance(self.budget, float):
-            return max(1, math.ceil(self.budget * seen - 1e-9))
-        return self.budget
+            return max(1, self.min_budget or 0, math.ceil(self.budget * scale * seen - 1e-9))
+        return max(1, round(self.budget * scale))
+
+    def layer_scales(self, layers: int) -> list[float]:
+        """Budget factor of each of `layers` evicting layers: 1 everywhere, or with `pyramid` p a linear ramp from
+        1 + p (first layer) down to 1 - p (last), the mean staying 1, so the cache holds the same total."""
+        p = self.pyramid or 0.0
+        if layers < 2:
+            return [1.0] * layers
+        return [1.0 + p - 2.0 * p * i / (layers - 1) for i in range(layers)]
 
     def make_policy(self) -> EvictionPolicy:
         sink = self.sink_length if self.sink_length is not None else DEFAULT_SINK_LENGTH
@@ -180,11 +204,13 @@ class H2OLayer(CompressedLayer):
 
     options: H2OOptions
     wants_attention_mass = True  # all policies: the padding flags of new tokens, and the scores of h2o / hybrid
+    mask_from_end = True  # a layer holding fewer slots than the first reads the mask's last columns
 
     def __init__(self, options: H2OOptions | None = None) -> None:
         super().__init__(options if options is not None else H2OOptions())
         self.policy = self.options.make_policy()
         self.query_window = self.policy.query_window()  # read by the hf_kvcache attention
+        self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
         self._pending = 0  # tokens of the last update still waiting for their attention mass
         self._clear_queries()
 
@@ -344,7 +370,7 @@ class H2OLayer(CompressedLayer):
         """Keep the policy's `budget` slots of every (row, KV head)."""
         if not self.store:
             return
-        budget = self.options.budget_for(self.cumulative_length)
+        budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
         if budget >= self.tokens_held():
             return
         keep = self.policy.select(self.slot_view(), budget)
@@ -406,6 +432,17 @@ class H2OCache(CompressedCache):
 
     options_class = H2OOptions
     layer_class = H2OLayer
+
+    def __init__(self, config: Any = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        if self.options.pyramid:
+            if config is None:
+                raise ValueError("pyramid (per-layer budgets) needs the model config: H2OCache(config=model.config, ...)")
+            # the first evicting layer holds the most slots: the shared attention mask is built for it, and every
+            # later layer reads the mask's last columns (`mask_from_end`)
+            layers = [layer for layer in self.layers if isinstance(layer, H2OLayer)]
+            for layer, scale in zip(layers, self.options.layer_scales(len(layers))):
+                layer.budget_scale = scale
     needs_attention_mass = True  # generate(cache_implementation=...) switches the model to the hf_kvcache attention
 
     def tokens_held(self, layer_idx: int = 0) -> int:
