@@ -32,7 +32,13 @@ class CacheSpec:
         if "=" in text.split(":", 1)[0]:
             label, text = text.split("=", 1)
         name, _, opts = text.partition(":")
-        options = json.loads(opts) if opts else {}
+        try:
+            options = json.loads(opts) if opts else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f"the options of {name!r} are not valid JSON ({exc.msg} at character {exc.pos} of {opts!r}); write "
+                'them as a JSON object with double quotes, e.g. \'{"dtype": "int4"}\''
+            ) from None
         if not isinstance(options, dict):
             raise ValueError(f"options of {name!r} must be a JSON object, got {opts!r}")
         return cls(name, options, label or (name if not options else f"{name} {json.dumps(options)}"))
@@ -56,14 +62,36 @@ def build_peer_cache(name: str, config, **options) -> Cache:
     """`transformers.QuantizedCache(backend=...)` (needs `pip install optimum-quanto` / `pip install hqq`)."""
     from transformers import QuantizedCache
 
+    missing = missing_peer_package(name)
+    if missing is not None:
+        raise ValueError(f"the {name} peer cache (transformers' QuantizedCache) needs its backend: {missing}")
     unknown = sorted(set(options) - set(PEER_OPTIONS))
     if unknown:
         raise ValueError(f"unknown option(s) {unknown} for {name}; valid options: {list(PEER_OPTIONS)}")
     return QuantizedCache(backend=PEER_CACHES[name], config=config, **options)
 
 
-def available_caches() -> list[str]:
-    return ["dynamic"] + cache_names() + list(PEER_CACHES)
+PEER_PACKAGES = {"hf-quanto": ("optimum.quanto", "optimum-quanto"), "hf-hqq": ("hqq", "hqq")}
+
+
+def missing_peer_package(name: str) -> str | None:
+    """The pip install command a peer cache still needs, or None when its package is importable."""
+    import importlib.util
+
+    module, package = PEER_PACKAGES[name]
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else f"pip install {package}  (or pip install 'hf-kvcache[peers]')"
+
+
+def available_caches(with_requirements: bool = False) -> list:
+    """Names `--caches` takes; with `with_requirements`, (name, missing install or None) pairs."""
+    names = ["dynamic"] + cache_names() + list(PEER_CACHES)
+    if not with_requirements:
+        return names
+    return [(n, missing_peer_package(n) if n in PEER_CACHES else None) for n in names]
 
 
 @torch.inference_mode()
@@ -90,6 +118,8 @@ def run_benchmark(
     model, tokenizer = load_model(model_name)
     ids = load_tokens(tokenizer, load_text(text), start, tokens + decode_steps)
     stream, extra = ids[:, :tokens], ids[:, tokens:]
+    for spec in specs:  # every spec checked before the first row is measured: a bad one costs no finished rows
+        spec.build(model)
     rows = []
     for spec in specs:
         cache = spec.build(model)

@@ -9,6 +9,8 @@ every unknown one, goes through transformers untouched (unknown names still rais
 from __future__ import annotations
 
 import copy
+import functools
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from transformers import GenerationMixin, PreTrainedConfig
@@ -60,13 +62,52 @@ def _extend_valid_names() -> None:
     gen_config.ALL_CACHE_IMPLEMENTATIONS = gen_config.ALL_CACHE_IMPLEMENTATIONS + missing
 
 
-def _attention_for(model, cache) -> None:
-    """A cache class that sets `needs_attention_mass` (it ranks tokens by the attention they receive) gets the
-    "hf_kvcache" attention, the one that reports it; see `hf_kvcache.attention.use_for_cache`."""
-    if getattr(cache, "needs_attention_mass", False):
-        from .attention import use_for_cache
+@dataclass
+class _Lease:
+    """What `generate` changed on a model for its cache: undone when that generate returns."""
 
+    attn_implementation: str | None
+    cache: Cache
+
+
+def _attention_for(model, cache) -> None:
+    """Give `cache` the attention it needs for this generate: caches that rank tokens by the attention they receive
+    (`needs_attention_mass`) and caches the fused attention reads in place (`reads_fused`) switch the model to the
+    "hf_kvcache" attention; the latter are also bound to the model (`CompressedCache.bind`). Both are undone when
+    generate returns (`_release`), so the model is handed back as it was."""
+    needs_mass = getattr(cache, "needs_attention_mass", False)
+    reads_fused = getattr(cache, "reads_fused", False)
+    if not (needs_mass or reads_fused):
+        return
+    from .attention import NAME, use_for_cache
+
+    before = getattr(model.config, "_attn_implementation", None)
+    if needs_mass:
         use_for_cache(model, cache)
+    elif before != NAME:
+        try:
+            model.set_attn_implementation(NAME)
+        except (ValueError, ImportError):  # a model that cannot take it keeps dequantized tensors: still right
+            return
+    if reads_fused:
+        cache.bind(model)
+    model._hf_kvcache_lease = _Lease(before, cache)
+
+
+def _release(model) -> None:
+    lease = model.__dict__.pop("_hf_kvcache_lease", None)
+    if lease is None:
+        return
+    if getattr(lease.cache, "reads_fused", False):
+        lease.cache.unbind()
+    if lease.attn_implementation is not None and model.config._attn_implementation != lease.attn_implementation:
+        model.set_attn_implementation(lease.attn_implementation)
+
+
+def _record_padding(cache, model_kwargs: dict) -> None:
+    """Tell an empty cache of ours which positions of the prompt are left padding (`CompressedCache.set_padding`)."""
+    if hasattr(cache, "set_padding") and cache.get_seq_length() == 0:
+        cache.set_padding(model_kwargs.get("attention_mask"))
 
 
 def install() -> None:
@@ -75,6 +116,7 @@ def install() -> None:
     if _installed:
         return
     original = GenerationMixin._prepare_cache_for_generation
+    original_generate = GenerationMixin.generate
 
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
         name = generation_config.cache_implementation
@@ -88,12 +130,22 @@ def install() -> None:
             cache = build_cache(name, self.config.get_text_config(decoder=True), **options)
             model_kwargs["past_key_values"] = cache
             _attention_for(self, cache)
+            _record_padding(cache, model_kwargs)
             if generation_config.is_assistant:
                 cache.activate_past_recording()
             return None
         _attention_for(self, model_kwargs.get("past_key_values"))
+        _record_padding(model_kwargs.get("past_key_values"), model_kwargs)
         return original(self, generation_config, model_kwargs, *args, **kwargs)
 
+    @functools.wraps(original_generate)
+    def generate(self, *args, **kwargs):
+        try:
+            return original_generate(self, *args, **kwargs)
+        finally:
+            _release(self)
+
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
+    GenerationMixin.generate = generate
     _installed = True
     _extend_valid_names()

@@ -9,6 +9,7 @@ import torch
 import hf_kvcache  # noqa: F401
 from hf_kvcache import TieredQuantCache
 from hf_kvcache.eval import load_tokens
+from hf_kvcache.fused import FusedCompressedKernel
 
 pytestmark = pytest.mark.slow
 
@@ -23,21 +24,30 @@ def forward(model, attn, token, cache):
     return model(token, past_key_values=cache, use_cache=True).logits[:, -1].float()
 
 
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts the attention calls the fused kernel served."""
+    calls = []
+    original = FusedCompressedKernel.__call__
+    monkeypatch.setattr(FusedCompressedKernel, "__call__", lambda self, call: calls.append(1) or original(self, call))
+    return calls
+
+
 @torch.no_grad()
-def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text):
+def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text, fused_calls):
     """Both paths read the same cache state at every step (a copy of the fused cache, read through dequantize +
     SDPA), so the comparison isolates the attention: two free-running generations drift apart once a tiny difference
     flips a 2-bit code of a token quantized later."""
     model, tok = smol
     ids = load_tokens(tok, moby_text, 5000, 130)
     cache = TieredQuantCache(config=model.config, **OPTIONS)
+    assert cache.bind(model)
     worst = 0.0
     try:
         token = forward(model, "hf_kvcache", ids, cache).argmax(-1, keepdim=True)
         for _ in range(STEPS):
             reference_cache = copy.deepcopy(cache)
-            for layer in reference_cache.layers:
-                layer.fused_reader = False
+            reference_cache.unbind()
             ref = forward(model, "sdpa", token, reference_cache)
             fused = forward(model, "hf_kvcache", token, cache)
             torch.testing.assert_close(fused, ref, atol=5e-4, rtol=1e-4)
@@ -45,7 +55,8 @@ def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text):
             token = fused.argmax(-1, keepdim=True)
     finally:
         model.set_attn_implementation("sdpa")
-    assert all(layer.fused_reader for layer in cache.layers), "the fused kernel did not take over"
+    layers = model.config.num_hidden_layers
+    assert len(fused_calls) == STEPS * layers, "the fused kernel did not serve every decode step"
     tiers = cache.layers[0].tier_tokens()
     assert tiers["sink"] == 4 and tiers["archive"] > 0 and tiers["warm"] > 0
     assert cache.get_seq_length() == ids.shape[1] + STEPS
@@ -53,7 +64,7 @@ def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text):
 
 
 @torch.no_grad()
-def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text):
+def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text, fused_calls):
     """Two prompts of different lengths, left-padded: the fused path (with the padding mask) generates what
     dequantize + SDPA generates."""
     model, tok = smol
@@ -64,16 +75,13 @@ def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text):
     batch = tok(texts, return_tensors="pt", padding=True)
     assert (batch.attention_mask[1] == 0).any(), "the second prompt must be padded"
     runs = {}
-    try:
-        for attn in ("sdpa", "hf_kvcache"):
-            model.set_attn_implementation(attn)
-            cache = TieredQuantCache(config=model.config, **OPTIONS)
-            runs[attn] = model.generate(**batch, past_key_values=cache, max_new_tokens=20, min_new_tokens=20,
-                                        do_sample=False, output_logits=True, return_dict_in_generate=True)
-            if attn == "hf_kvcache":
-                assert all(layer.fused_reader for layer in cache.layers)
-    finally:
-        model.set_attn_implementation("sdpa")
+    kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    # generate binds a tiered cache to the fused attention by itself and hands the model back afterwards
+    runs["hf_kvcache"] = model.generate(**batch, cache_implementation="tiered", cache_config=OPTIONS, **kw)
+    assert len(fused_calls) >= 19 * model.config.num_hidden_layers and model.config._attn_implementation == "sdpa"
+    cache = TieredQuantCache(config=model.config, **OPTIONS)
+    cache.set_padding(batch.attention_mask)
+    runs["sdpa"] = model.generate(**batch, past_key_values=cache, **kw)
     assert torch.equal(runs["hf_kvcache"].sequences, runs["sdpa"].sequences)
     torch.testing.assert_close(torch.stack(runs["hf_kvcache"].logits), torch.stack(runs["sdpa"].logits),
                                atol=1e-2, rtol=1e-3)

@@ -12,18 +12,20 @@ repetition and cropping are implemented once here. A layer whose storage is not 
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from transformers import PreTrainedConfig
-from transformers.cache_utils import Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer, QuantizedLayer
+from transformers.cache_utils import BaseQuantizedLayer, Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
-from ..kernels.segments import positions_held
+from ..kernels.segments import QuantSegment, positions_held, split_overlays
 
 FP16_BYTES = 2
 LAYER_ATTR = "_hf_kvcache_layer"
+FUSED_ATTENTION = "hf_kvcache"  # the attention implementation that reads compressed storage directly
 
 
 def layer_of(keys: torch.Tensor) -> "CompressedLayer | None":
@@ -31,27 +33,99 @@ def layer_of(keys: torch.Tensor) -> "CompressedLayer | None":
     return getattr(keys, LAYER_ATTR, None)
 
 
+class FusedBinding:
+    """A cache bound to the model whose attention reads it: the layers hand over `FusedView`s only while that model
+    runs the `"hf_kvcache"` attention (checked at every `update`), and dequantized tensors otherwise, so switching
+    the model to another attention implementation at any time keeps the results right."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+
+    def active(self) -> bool:
+        return getattr(self.config, "_attn_implementation", None) == FUSED_ATTENTION
+
+
+@dataclass
+class FusedView:
+    """What a layer read by the fused attention hands over for one `update`: the segments it held before the
+    update (references to storage that is replaced, never written in place) and the new tokens
+    `[batch, kv_heads, new, head_dim]`, kept exactly as the model gave them."""
+
+    segments: list
+    new_keys: torch.Tensor
+    new_values: torch.Tensor
+
+    def positions(self) -> int:
+        return positions_held(self.segments) + self.new_keys.shape[2]
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of every position (held, then new) in the new tokens' dtype: the fallback for attention
+        calls the fused kernel does not serve."""
+        ordered, overlays = split_overlays(self.segments)
+        dt = self.new_keys.dtype
+        parts_k, parts_v = [], []
+        for seg in ordered:
+            k, v = (seg.dequantize(dt, unrotate=True) if isinstance(seg, QuantSegment)
+                    else (seg.keys.to(dt), seg.values.to(dt)))
+            parts_k.append(k)
+            parts_v.append(v)
+        keys = torch.cat([*parts_k, self.new_keys], dim=2)
+        values = torch.cat([*parts_v, self.new_values], dim=2)
+        for o in overlays:
+            keys[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.keys.to(dt)
+            values[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.values.to(dt)
+        return keys, values
+
+
+class _Placeholder(torch.Tensor):
+    """The key/value tensors a layer returns while the fused attention reads its `FusedView`: right shape, no data.
+    Anything but a look at the shape, dtype or device raises, so no other code can attend to them by mistake."""
+
+    _ALLOWED = {torch.Tensor.dim, torch.Tensor.size, torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__,
+                torch.Tensor.device.__get__, torch.Tensor.is_cuda.__get__, torch.Tensor.ndim.__get__,
+                torch.Tensor.requires_grad.__get__, torch.Tensor.__repr__}
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in cls._ALLOWED:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        raise RuntimeError(
+            "an hf-kvcache layer handed its compressed storage to the 'hf_kvcache' attention, but something else read "
+            f"the placeholder keys/values ({getattr(func, '__name__', func)}). Keep the model on "
+            "attn_implementation='hf_kvcache' during a forward, or unbind the cache (cache.unbind())."
+        )
+
+    @staticmethod
+    def like(x: torch.Tensor, tokens: int) -> "_Placeholder":
+        shape = (*x.shape[:2], tokens, x.shape[-1])
+        return x.new_zeros(()).expand(shape).as_subclass(_Placeholder)
+
+
 class CompressedLayer(DynamicLayer):
     """Base of every hf-kvcache layer: input checks, token counting, byte accounting, the batch/beam contract.
 
-    Subclasses implement `append(keys, values)` (store new tokens) and `materialize()` (keys and values of the
-    stored tokens, in the model's dtype, for attention implementations that need plain tensors).
+    Subclasses implement `append(keys, values)` (store new tokens, already detached from autograd) and
+    `materialize()` (keys and values of the stored tokens, in the model's dtype, for attention implementations that
+    need plain tensors); `materialize_into` may be overridden to write them straight into a buffer.
     """
 
     is_compileable = False
     is_sliding = False
     is_croppable = True
     wants_attention_mass = False  # set by policies (H2O, CPAC) that rank tokens by the attention they receive
-    # Set by the fused attention kernel once it has seen this layer: `update` then hands over a compressed view
-    # (`fused_view`) and placeholder tensors instead of dequantized keys/values. Only layers that implement
-    # `attention_segments` are ever enrolled; `reset` clears it.
-    fused_reader = False
+    fused_max_new = 64  # the fused attention serves forwards of at most this many new tokens (decode, small chunks)
 
     def __init__(self, options: CacheOptions | None = None) -> None:
         super().__init__()
         self.options = options
         self.store: dict[str, torch.Tensor] = {}
         self.cumulative_length = 0
+        self.fused_binding: FusedBinding | None = None
+        self.fused_view: FusedView | None = None
+        # `[batch]` int64: leading padding positions of each row (`CompressedCache.set_padding`); layers that pool
+        # statistics over tokens keep these positions out of them
+        self.padding: torch.Tensor | None = None
 
     # ---- what subclasses provide -------------------------------------------------------------------------------
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -60,25 +134,16 @@ class CompressedLayer(DynamicLayer):
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def materialize_into(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Write the held tokens into `out_k` / `out_v` (`[batch, kv_heads, held, dim]`)."""
+        past_k, past_v = self.materialize()
+        out_k.copy_(past_k)
+        out_v.copy_(past_v)
+
     def attention_segments(self) -> list | None:
         """The held tokens as `hf_kvcache.kernels.segments` (quantized / full), in key order; None when this layer
         has no storage the fused attention can read directly."""
         return None
-
-    def fused_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """`update` for the fused attention: snapshot the stored segments (references, no copy; storage is replaced,
-        never written in place), store the new tokens, and return zero-stride placeholders tagged with this layer.
-        The attention reads `self.fused_view = (segments, new keys, new values)`."""
-        segments = self.attention_segments() or []
-        self.cumulative_length += key_states.shape[-2]
-        self.append(key_states, value_states)
-        self.fused_view = (segments, key_states, value_states)
-        total = positions_held(segments) + key_states.shape[-2]
-        b, h = key_states.shape[:2]
-        keys = key_states.new_zeros(()).expand(b, h, total, key_states.shape[-1])
-        values = value_states.new_zeros(()).expand(b, h, total, value_states.shape[-1])
-        setattr(keys, LAYER_ATTR, self)
-        return keys, values
 
     def observe_attention(self, mass: torch.Tensor) -> None:
         """Attention mass `[batch, kv_heads, tokens]` received by the keys of the last `update` (held tokens first,
@@ -98,22 +163,47 @@ class CompressedLayer(DynamicLayer):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens; return keys and values of everything held (past decoded, new tokens as given)."""
+        """Store the new tokens; return keys and values of everything held (past decoded, new tokens as given).
+
+        The stored copy is detached (the cache works in grad mode as DynamicCache does; gradients reach the new
+        tokens of this forward). While bound to a model running the fused attention, returns placeholders and
+        leaves a `FusedView` for that attention instead."""
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.fused_reader:
-            return self.fused_update(key_states, value_states)
-        if self.tokens_held() > 0:
-            past_k, past_v = self.materialize()
-            keys = torch.cat([past_k, key_states], dim=-2)
-            values = torch.cat([past_v, value_states], dim=-2)
+        n = key_states.shape[2]
+        view = self._fused_view(n)
+        held = self.tokens_held()
+        if view is not None:
+            keys = values = None
+        elif held > 0:
+            keys, values = self._empty(held + n)
+            self.materialize_into(keys[:, :, :held], values[:, :, :held])
+            keys[:, :, held:].copy_(key_states)
+            values[:, :, held:].copy_(value_states)
         else:
             keys, values = key_states, value_states
-        self.cumulative_length += key_states.shape[-2]
-        self.append(key_states, value_states)
+        self.cumulative_length += n
+        self.append(key_states.detach(), value_states.detach())
+        if view is not None:
+            self.fused_view = FusedView(view, key_states, value_states)
+            keys = _Placeholder.like(key_states, held + n)
+            values = _Placeholder.like(value_states, held + n)
         setattr(keys, LAYER_ATTR, self)
         return keys, values
+
+    def _fused_view(self, new_tokens: int) -> list | None:
+        """The segments to hand the fused attention for this update, or None to return plain tensors."""
+        self.fused_view = None
+        if self.fused_binding is None or not self.fused_binding.active() or new_tokens > self.fused_max_new:
+            return None
+        return self.attention_segments()
+
+    def _empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b = next(iter(self.store.values())).shape[0]
+        kw = dict(dtype=self.dtype, device=self.device)
+        return (torch.empty(b, self.num_heads, tokens, self.head_dim, **kw),
+                torch.empty(b, self.num_heads, tokens, self.value_dim, **kw))
 
     def get_seq_length(self) -> int:
         """Tokens seen (also when some were evicted), so that positions stay right."""
@@ -128,8 +218,8 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         self.store = {}
         self.cumulative_length = 0
-        self.fused_reader = False
         self.fused_view = None
+        self.padding = None
         self.keys = self.values = None
         self.is_initialized = False
 
@@ -140,14 +230,34 @@ class CompressedLayer(DynamicLayer):
     def _map_store(self, fn) -> None:
         self.store = {name: fn(t) for name, t in self.store.items()}
 
+    def _map_rows(self, fn) -> None:
+        """Apply a batch-dim operation to everything kept per row."""
+        self._map_store(fn)
+        if self.padding is not None:
+            self.padding = fn(self.padding)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_store(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_store(lambda t: t[indices])
+        self._map_rows(lambda t: t[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_store(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def row_padding(self, batch: int) -> torch.Tensor | None:
+        """`[batch]` leading padding positions of each row, or None when no row is padded. A padding vector set for
+        fewer rows is repeated row by row (generate expands rows for beams / several samples after the prefill
+        mask was recorded)."""
+        p = self.padding
+        if p is None or not bool(p.any()):
+            return None
+        if p.shape[0] != batch:
+            if batch % p.shape[0]:
+                raise ValueError(f"padding was set for {p.shape[0]} rows, the cache now holds {batch}; call "
+                                 "cache.set_padding(attention_mask) with the mask of this batch")
+            p = p.repeat_interleave(batch // p.shape[0])
+        return p
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last `-tokens_to_remove` tokens (transformers passes a negative count)."""
@@ -167,7 +277,9 @@ class CompressedLayer(DynamicLayer):
         return list(self.store.values())
 
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.held_tensors())
+        """Bytes of the storage this layer's tensors hold (shared tensors included; `memory_stats` counts a tensor
+        shared by several layers once)."""
+        return held_bytes(self.held_tensors())
 
     def fp16_bytes(self) -> int:
         """Bytes a plain fp16 cache would hold for the tokens this layer has seen."""
@@ -224,66 +336,122 @@ class CompressedCache(Cache):
             f"{type(self).__name__} supports full, sliding and chunked attention layers, not {layer_type!r}"
         )
 
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any, **kwargs: Any):
+        if self.layer_class_to_replicate is None and layer_idx >= len(self.layers):
+            raise ValueError(
+                f"{type(self).__name__} was built for a config with {len(self.layers)} layers, but the model calls "
+                f"layer {layer_idx}; build the cache with the model's own config: "
+                f"{type(self).__name__}(config=model.config, ...)"
+            )
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    # ---- the fused attention ------------------------------------------------------------------------------------
+    def bind(self, model: Any) -> bool:
+        """Let `model` read this cache's compressed storage directly whenever it runs the `"hf_kvcache"` attention
+        (other attention implementations keep getting dequantized tensors). Returns whether any layer can be read
+        that way. `generate` binds (and switches the attention) by itself for caches whose `reads_fused` is set."""
+        binding = FusedBinding(model.config)
+        bound = False
+        for layer in self._compressed_layers():
+            layer.fused_binding = binding
+            bound = True
+        return bound
+
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Record the left padding of the batch about to be prefilled (`attention_mask [batch, tokens]`, 0 = pad),
+        so that padding positions never enter the statistics (ranges, scales) of real tokens. `generate` calls it.
+        Call it yourself before the first forward of a left-padded batch passed as `past_key_values`."""
+        padding = None
+        if attention_mask is not None:
+            if attention_mask.dim() != 2:
+                raise ValueError(f"set_padding takes the 2D [batch, tokens] attention mask, got {tuple(attention_mask.shape)}")
+            real = attention_mask.bool()
+            # leading zeros of each row (a row of only padding counts all its positions)
+            padding = torch.where(real.any(1), real.int().argmax(1), real.shape[1]).to(torch.int64)
+        for layer in self._compressed_layers():
+            layer.padding = padding
+
+    def unbind(self) -> None:
+        for layer in self._compressed_layers():
+            layer.fused_binding = None
+            layer.fused_view = None
+
+    def _compressed_layers(self) -> list[CompressedLayer]:
+        return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
     def memory_stats(self) -> dict[str, float]:
         return memory_stats(self)
 
 
-def _quantized_peer_bytes(q: Any) -> tuple[int, tuple | None]:
-    """(real bytes, logical [batch, heads, tokens, dim] shape) of the quantized states of a transformers
-    `QuantizedLayer`: an optimum-quanto QTensor (packed `_data`, `_scale`, `_shift`) or an hqq (codes, meta) tuple."""
-    if q is None:
-        return 0, None
-    if isinstance(q, tuple):  # hqq: (packed codes, meta dict with scale / zero)
-        codes, meta = q
-        held = codes.nbytes + sum(meta[k].nbytes for k in ("scale", "zero") if isinstance(meta.get(k), torch.Tensor))
-        return held, tuple(meta.get("shape", ())) or None
-    held = 0
-    for name in ("_data", "_scale", "_shift"):
-        t = getattr(q, name, None)
-        inner = getattr(t, "_data", None)  # quanto's PackedTensor reports the unpacked shape; its `_data` is packed
-        t = inner if isinstance(inner, torch.Tensor) else t
-        if isinstance(t, torch.Tensor):
-            held += t.nbytes
-    return held, tuple(q.shape)
+def _tensors_in(obj: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
+    """Every plain tensor reachable from `obj` (attributes, tuples, lists, dicts; wrapper tensor subclasses such as
+    optimum-quanto's QTensor through their inner tensors), each object visited once."""
+    if depth > 6 or id(obj) in seen:
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        flatten = getattr(type(obj), "__tensor_flatten__", None)
+        if flatten is not None:
+            names, _ = obj.__tensor_flatten__()
+            return [t for n in names for t in _tensors_in(getattr(obj, n), seen, depth + 1)]
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple)):
+        items = list(obj)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        items = list(vars(obj).values())
+    else:
+        return []
+    return [t for item in items for t in _tensors_in(item, seen, depth + 1)]
 
 
-def _peer_quantized_layer_bytes(layer: Any) -> tuple[int, int]:
-    """transformers' `QuantizedLayer` (quanto / hqq backends): quantized states plus the residual keys/values."""
-    held = per_token = 0
-    for q, residual in ((getattr(layer, "_quantized_keys", None), layer.keys),
-                        (getattr(layer, "_quantized_values", None), layer.values)):
-        b, shape = _quantized_peer_bytes(q)
-        held += b
-        if isinstance(residual, torch.Tensor):
-            held += residual.nbytes
-        if shape is not None and len(shape) == 4:
-            per_token += shape[0] * shape[1] * shape[3]
-        elif isinstance(residual, torch.Tensor) and residual.dim() == 4:
-            per_token += residual.shape[0] * residual.shape[1] * residual.shape[3]
-    fp16 = FP16_BYTES * per_token * getattr(layer, "cumulative_length", 0)
-    return held, fp16
+def held_bytes(tensors: list[torch.Tensor], counted: set[tuple[str, int]] | None = None) -> int:
+    """Bytes of the storage behind `tensors`, each storage once (a view holds all of its storage alive; shared
+    tensors such as one rotation matrix used by every layer count once). `counted` carries over between calls."""
+    counted = set() if counted is None else counted
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = (str(t.device), storage.data_ptr())
+        if key in counted or storage.data_ptr() == 0:
+            continue
+        counted.add(key)
+        total += storage.nbytes()
+    return total
 
 
-def _layer_bytes(layer: Any) -> tuple[int, int]:
-    """(bytes held, fp16 bytes of a plain cache of the same tokens) for any transformers or hf-kvcache layer."""
-    if isinstance(layer, CompressedLayer):
-        return layer.nbytes(), layer.fp16_bytes()
-    if isinstance(layer, QuantizedLayer):
-        return _peer_quantized_layer_bytes(layer)
-    held = fp16 = 0
-    for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
-        if isinstance(t, torch.Tensor):
-            held += t.nbytes
-            fp16 += t.numel() * FP16_BYTES
-    return held, fp16
+def _fp16_equivalent(layer: Any) -> int:
+    """Bytes an fp16 cache would hold for the tokens a transformers layer has seen."""
+    if isinstance(layer, BaseQuantizedLayer):
+        per_token = 0
+        for t in (layer.keys, layer.values):
+            if isinstance(t, torch.Tensor) and t.dim() == 4:
+                per_token += t.shape[0] * t.shape[1] * t.shape[3]
+        if not per_token:
+            for q in (layer._quantized_keys, layer._quantized_values):
+                q = q[0] if isinstance(q, tuple) and isinstance(q[0], torch.Tensor) else q
+                shape = tuple(q[1].get("shape", ())) if isinstance(q, tuple) else tuple(getattr(q, "shape", ()))
+                if len(shape) == 4:
+                    per_token += shape[0] * shape[1] * shape[3]
+        return FP16_BYTES * per_token * getattr(layer, "cumulative_length", 0)
+    return sum(t.numel() * FP16_BYTES for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+               if isinstance(t, torch.Tensor))
 
 
 def memory_stats(cache: Cache) -> dict[str, float]:
-    """Bytes really held by the tensors of `cache`, the fp16-equivalent bytes and their ratio."""
+    """Bytes really held by every tensor `cache` keeps (each storage once: codes, scales, tails, rotation matrices;
+    for transformers' own layers, quantized or not, every tensor found on them), the fp16-equivalent bytes and
+    their ratio."""
     held = fp16 = 0
+    counted: set[tuple[str, int]] = set()
     for layer in cache.layers:
-        h, f = _layer_bytes(layer)
-        held, fp16 = held + h, fp16 + f
+        if isinstance(layer, CompressedLayer):
+            held += held_bytes(layer.held_tensors(), counted)
+            fp16 += layer.fp16_bytes()
+        else:
+            held += held_bytes(_tensors_in(layer, set()), counted)
+            fp16 += _fp16_equivalent(layer)
     return {
         "bytes": held,
         "fp16_bytes": fp16,

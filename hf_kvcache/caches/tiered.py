@@ -32,9 +32,9 @@ import torch
 
 from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi, quantize_kivi, slice_tokens
-from ..quant.rotation import is_power_of_two, rotation_matrix
+from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
-from .base import LAYER_ATTR, CompressedCache, CompressedLayer, memory_stats
+from .base import CompressedCache, CompressedLayer, memory_stats
 
 QUANTIZERS = ("kivi",)
 ROTATIONS = ("none", "keys", "values", "both")
@@ -154,7 +154,7 @@ class KIVIOptions(CacheOptions):
     clip_ratio: float = 1.0
     clip_search: bool = False
     clip_on: str = "both"
-    tail_dtype: str | None = None
+    tail_dtype: str | None = "auto"
 
     def validate(self) -> None:
         _check_nonneg_int("residual_length", self.residual_length)
@@ -227,8 +227,8 @@ class TieredQuantLayer(CompressedLayer):
         self.rot_v = rotation_matrix(value_dim, seed=1, device=device) if rot_v else None
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
         # the transposes used to un-rotate, once, in the dtype of that matmul
-        self.unrot_k = None if self.rot_k is None else self.rot_k.t().to(self.rot_dtype).contiguous()
-        self.unrot_v = None if self.rot_v is None else self.rot_v.t().to(self.rot_dtype).contiguous()
+        self.unrot_k = unrotation_matrix(head_dim, 0, self.rot_dtype, device) if rot_k else None
+        self.unrot_v = unrotation_matrix(value_dim, 1, self.rot_dtype, device) if rot_v else None
 
     def _qargs(self, tier: str) -> tuple[dict, dict]:
         p, spec = self.plan, self.specs[tier]
@@ -292,14 +292,24 @@ class TieredQuantLayer(CompressedLayer):
             self.store[f"{tier}_k"], self.store[f"{tier}_v"] = k, v
 
     # ---- quantize / dequantize ----------------------------------------------------------------------------------
-    def _mask_sinks(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """`x` holds positions `start..`: give its sink positions the values of the first non-sink position (or 0),
-        so that they do not widen their group's range (their real values live in the sink store)."""
-        n_sink = min(self.plan.sink_length, start + x.shape[2]) - start
-        if n_sink <= 0:
+    def _mask_outside(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """`x` holds positions `start..` of every row: give its sink positions the values of the first non-sink
+        position (or 0), and each row's left-padding positions the values of its first real position, so that
+        neither widens its group's range (the sinks' real values live in the sink store; padding is never
+        attended)."""
+        n = x.shape[2]
+        n_sink = min(self.plan.sink_length, start + n) - start
+        padding = self.row_padding(x.shape[0])
+        if n_sink <= 0 and (padding is None or not bool((padding > start).any())):
             return x
         x = x.clone()
-        x[:, :, :n_sink] = x[:, :, n_sink : n_sink + 1] if n_sink < x.shape[2] else 0
+        if n_sink > 0:
+            x[:, :, :n_sink] = x[:, :, n_sink : n_sink + 1] if n_sink < n else 0
+        if padding is not None:
+            first_real = (padding - start).clamp(0, n - 1).to(x.device)  # [batch]
+            fill = x.gather(2, first_real.view(-1, 1, 1, 1).expand(-1, x.shape[1], 1, x.shape[3]))
+            pads = (torch.arange(start, start + n, device=x.device).view(1, 1, n, 1) < padding.to(x.device).view(-1, 1, 1, 1))
+            x = torch.where(pads, fill, x)
         return x
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str):
@@ -313,7 +323,7 @@ class TieredQuantLayer(CompressedLayer):
     def _dequantize(self, k: KIVIQuantized, v: KIVIQuantized, rotated: bool = False):
         """Float32 keys and values of (a slice of) a quantized tier (still rotated when `rotated`)."""
         keys, values = dequantize_kivi(k), dequantize_kivi(v)
-        if not rotated:  # un-rotated exactly as `_fill` does it, so a reopened group reads back what attention saw
+        if not rotated:  # un-rotated exactly as `materialize_into` does it, so a reopened group reads back what attention saw
             dt = self.rot_dtype
             keys = keys if self.rot_k is None else (keys.to(dt) @ self.unrot_k).float()
             values = values if self.rot_v is None else (values.to(dt) @ self.unrot_v).float()
@@ -347,7 +357,7 @@ class TieredQuantLayer(CompressedLayer):
         """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""
         p = self.plan
         start = self._count("arch_kc") + self._count("warm_kc")
-        keys, values = self._mask_sinks(keys, start), self._mask_sinks(values, start)
+        keys, values = self._mask_outside(keys, start), self._mask_outside(values, start)
         if p.warm_length == 0:
             self._append_tier("arch", *self._quantize(keys, values, "arch"))
             return
@@ -392,8 +402,8 @@ class TieredQuantLayer(CompressedLayer):
                 out[:, :, :q].copy_(flat.view(target.shape))
         return q
 
-    def _fill(self, out_k: torch.Tensor, out_v: torch.Tensor) -> int:
-        """Write the held tokens into `out_k[:, :, :held]` / `out_v[...]`; returns the number written."""
+    def materialize_into(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
+        """Dequantize the held tokens straight into `out_k` / `out_v` (`[batch, kv_heads, held, dim]`)."""
         s = self.store
         pos = self._dequantize_tiers_into(out_k, out_v)
         if "tail_k" in s:
@@ -405,40 +415,11 @@ class TieredQuantLayer(CompressedLayer):
             n = s["sink_k"].shape[2]
             out_k[:, :, :n].copy_(s["sink_k"])
             out_v[:, :, :n].copy_(s["sink_v"])
-        return pos
-
-    def _empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        first = next(iter(self.store.values()))
-        b, h = first.shape[0], first.shape[1]
-        kw = dict(dtype=self.dtype, device=self.device)
-        return torch.empty(b, h, tokens, self.head_dim, **kw), torch.empty(b, h, tokens, self.value_dim, **kw)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         out_k, out_v = self._empty(self.tokens_held())
-        self._fill(out_k, out_v)
+        self.materialize_into(out_k, out_v)
         return out_k, out_v
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Like `CompressedLayer.update`, but the past is dequantized straight into the returned buffers."""
-        self._check_states(key_states, value_states)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        if self.fused_reader:
-            return self.fused_update(key_states, value_states)
-        held = self.tokens_held()
-        if held > 0:
-            keys, values = self._empty(held + key_states.shape[2])
-            self._fill(keys, values)
-            keys[:, :, held:].copy_(key_states)
-            values[:, :, held:].copy_(value_states)
-        else:
-            keys, values = key_states, value_states
-        self.cumulative_length += key_states.shape[2]
-        self.append(key_states, value_states)
-        setattr(keys, LAYER_ATTR, self)  # lets hf_kvcache's attention function find this layer, as the base does
-        return keys, values
 
     def attention_segments(self) -> list | None:
         """archive | warm | tail as segments the fused attention reads in place (no copy), plus the full-precision
@@ -508,6 +489,12 @@ class TieredQuantLayer(CompressedLayer):
             self._set_plain("sink", s["sink_k"][:, :, :end].clone(), s["sink_v"][:, :, :end].clone())
 
     # ---- accounting ---------------------------------------------------------------------------------------------
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The stored tiers plus the rotation matrices (and their transposes) the layer reads them with."""
+        extra = [t for t in (getattr(self, n, None) for n in ("rot_k", "rot_v", "unrot_k", "unrot_v"))
+                 if t is not None]
+        return [*self.store.values(), *extra]
+
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Bytes held and positions served by each tier of this layer."""
         tokens = self.tier_tokens()
@@ -538,6 +525,7 @@ class TieredQuantCache(CompressedCache):
 
     options_class = TieredQuantOptions
     layer_class = TieredQuantLayer
+    reads_fused = True  # generate binds it to the model and runs the fused attention over its codes
 
     def memory_stats(self) -> dict[str, Any]:
         """`memory_stats` plus `tiers`: bytes (summed over layers) and positions served (per layer) of each tier.

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-_CACHE: dict[tuple[int, int, torch.dtype, torch.device], torch.Tensor] = {}
+_CACHE: dict[tuple, torch.Tensor] = {}
 
 
 def is_power_of_two(n: int) -> bool:
@@ -41,6 +41,18 @@ def rotation_matrix(
         signs = torch.randint(0, 2, (n,), generator=gen, dtype=torch.int64).to(torch.float64) * 2 - 1
         r = (hadamard_matrix(n, torch.float64) * signs / n**0.5).to(dtype=dtype, device=device).contiguous()
         _CACHE[key] = r
+    return r
+
+
+def unrotation_matrix(
+    n: int, seed: int = 0, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """The transpose (= inverse) of `rotation_matrix(n, seed)`, contiguous, in `dtype` (cached like it)."""
+    device = torch.device(device)
+    key = ("inverse", n, seed, dtype, device)
+    r = _CACHE.get(key)
+    if r is None:
+        r = _CACHE[key] = rotation_matrix(n, seed, torch.float32, device).t().to(dtype).contiguous()
     return r
 
 
