@@ -129,6 +129,12 @@ def test_snapkv_window_pooling_and_protected_window():
         POLICIES["snapkv"](window=32, pool=1).select(view, 4)[0, 0, 0].item() == 0
 
 
+def test_window_policy_without_queries_says_what_is_missing():
+    cache = H2OCache(config=tiny_config(), budget=3, policy="tova")
+    with pytest.raises(RuntimeError, match="observe_queries"):
+        feed(cache, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D))  # no queries reported
+
+
 def test_knorm_keeps_lowest_norm_keys_without_attention():
     cache = H2OCache(config=tiny_config(), budget=3, policy="knorm")
     norms = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0])

@@ -1,18 +1,28 @@
-"""`H2OCache`: token eviction by heavy hitters (H2O), recency, attention sinks, strides, or a hybrid of them.
+"""`H2OCache`: token eviction -- heavy hitters (H2O), TOVA, SnapKV, key norm, recency, attention sinks, strides, or a
+hybrid -- optionally storing the kept tokens quantized.
 
-    cache = H2OCache(config=model.config, budget=0.2, policy="hybrid")      # keep 20 % of the tokens seen
-    model.generate(ids, cache_implementation="h2o", cache_config={"budget": 256, "policy": "h2o"})
+    cache = H2OCache(config=model.config, budget=0.2, policy="snapkv")      # keep 20 % of the tokens seen
+    model.generate(ids, cache_implementation="h2o", cache_config={"budget": 256, "policy": "tova", "quant_bits": 4})
 
-Storage (per layer, `self.store`): `keys`/`values [batch, kv_heads, kept, head_dim]` in the model's dtype, `scores
-[batch, kv_heads, kept]` (float32 attention mass received so far), `positions` (int32) and `valid` (bool, False for
-padding). Each KV head keeps its own tokens, the same count for every head and row so the tensors stay rectangular;
-within a head the kept slots stay in order of position.
+Storage (per layer, `self.store`, every tensor `[batch, kv_heads, kept, ...]`): `keys`/`values [.., head_dim]` in the
+model's dtype, or with `quant_bits` their KIVI-style codes (`key_codes`/`value_codes`, packed along head_dim) and
+per-token fp16 `*_scale`/`*_zero [.., groups]`; `scores` (float32 attention mass received so far; only for policies
+that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Each KV head keeps its
+own tokens, the same count for every head and row so the tensors stay rectangular; within a head the kept slots stay
+in order of position. Window policies (tova, snapkv) also hold the queries of the last `window` positions (`queries
+[batch, heads, W, head_dim]` in 16 bits, their positions and padding flags): from them the layer recomputes, at each
+eviction, the attention those queries give the held tokens (`policy.base.window_attention`), over one forward or
+several decoding steps alike. Every tensor counts in `memory_stats()`.
 
-Data flow of one forward: `update` appends the new tokens and returns everything held; the `"hf_kvcache"` attention
-reports which keys the mask lets any query see (`observe_visible_keys`) and the attention mass each key received,
-summed over the query heads of its group and over the queries (`observe_attention`, computed chunk by chunk for long
-prompts); the layer adds the mass to the scores and evicts down to the budget with its policy (`hf_kvcache.policy`).
-Between two forwards a layer holds at most `budget` tokens; during one, at most `budget` + the new tokens.
+Data flow of one forward: `update` appends the new tokens (quantized when `quant_bits` is set; attention then sees the
+held tokens dequantized and the new ones exact) and returns everything held; the `"hf_kvcache"` attention reports the
+last queries (`observe_queries`, window policies only), which keys the mask lets any query see
+(`observe_visible_keys`) and the attention mass each key received, summed over the query heads of its group and over
+the queries (`observe_attention`, computed chunk by chunk for long prompts); the layer adds the mass to the scores
+(fading them by `decay` first) and evicts down to the budget with its policy (`hf_kvcache.policy`). Between two
+forwards a layer holds at most `budget` tokens; during one, at most `budget` + the new tokens. With `pyramid`, each
+layer has its own budget (the first the largest); the attention mask transformers builds for the first layer is read
+from its last columns by the others (`mask_from_end`).
 
 Positions and masks after eviction:
 * `get_seq_length()` counts tokens seen, so RoPE positions of new tokens continue from there.
@@ -355,7 +365,13 @@ class H2OLayer(CompressedLayer):
     # ---- eviction -----------------------------------------------------------------------------------------------
     def slot_view(self) -> SlotView:
         s = self.store
-        uses_window = self.query_window > 0 and self.queries is not None
+        uses_window = self.query_window > 0
+        if uses_window and self.queries is None:
+            raise RuntimeError(
+                f"policy {self.options.policy!r} ranks tokens by the attention of the last queries, which the "
+                "'hf_kvcache' attention reports (layer.observe_queries) before the attention mass; call "
+                "observe_queries(query[:, :, -layer.query_window:], scaling) first when driving the layer by hand"
+            )
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
         window = None
         if uses_window:
