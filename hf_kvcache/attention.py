@@ -25,7 +25,8 @@ masked (padding) query rows contribute nothing to the mass. A layer that also se
 `layer.observe_queries(query[:, :, -W:], scaling)`: the (post-RoPE) queries of the last `W` positions of the call,
 `[batch, heads, min(W, q_len), head_dim]`. From them a policy can recompute the attention of a window of recent
 queries over whatever the layer holds (SnapKV, TOVA), also across decoding steps of one query each, which the summed
-mass cannot give.
+mass cannot give. A layer whose heads hold different numbers of slots (`key_mask()` not None,
+`[batch, kv_heads, kv]`) gets its empty slots masked per head, on top of the model's mask.
 
 A fused dequantize+attention kernel (Triton on CUDA, blockwise torch on CPU) plugs in with `register_kernel(kernel,
 first=True)`: its `supports(call)` looks at `call.layer` (e.g. a layer exposing a compressed view of its storage) and
@@ -184,6 +185,25 @@ def visible_keys(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     return m.any(dim=2).any(dim=1).expand(batch, -1)
 
 
+def _with_key_mask(
+    mask: torch.Tensor | None, key_mask: torch.Tensor, heads: int, q_len: int, is_causal: bool
+) -> torch.Tensor:
+    """Combine the model's mask (None, bool or additive, `[b|1, 1|heads, q, kv]`) with a layer's per-KV-head key mask
+    `[batch, kv_heads, kv]` (heads holding different slots, `head_budgets`): boolean `[batch, heads, q, kv]`."""
+    b, kv_heads, kv = key_mask.shape
+    per_head = key_mask.repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
+    if mask is None:
+        if is_causal and q_len > 1:  # the new tokens see each other causally, and every held slot
+            base = torch.ones(q_len, kv, dtype=torch.bool, device=key_mask.device).tril(kv - q_len)[None, None]
+        else:
+            base = torch.ones(1, 1, 1, kv, dtype=torch.bool, device=key_mask.device)
+    elif mask.dtype == torch.bool:
+        base = mask
+    else:
+        base = mask > torch.finfo(mask.dtype).min / 2
+    return base & per_head
+
+
 def _prepare(module, query, key, value, attention_mask, dropout, scaling, is_causal) -> AttentionCall:
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
@@ -206,6 +226,9 @@ def _prepare(module, query, key, value, attention_mask, dropout, scaling, is_cau
         else:
             attention_mask = attention_mask[..., :kv_len]  # static caches may hand over a longer mask
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    key_mask = layer.key_mask() if layer is not None and hasattr(layer, "key_mask") else None
+    if key_mask is not None:
+        attention_mask = _with_key_mask(attention_mask, key_mask, heads, q_len, bool(is_causal))
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
     if causal and kv_len > q_len:
         # as transformers' SDPA integration: a skipped causal mask with more keys than queries only happens on the

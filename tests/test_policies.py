@@ -174,6 +174,7 @@ def test_h2o_decay_fades_old_mass():
         (dict(policy="knorm", sink_length=2), "sink_length applies to the sinks and hybrid"),
         (dict(budget=100, min_budget=10), "min_budget applies to a ratio budget"),
         (dict(min_budget=0), "min_budget must be a positive integer"),
+        (dict(policy="knorm", head_budgets=True), "head_budgets shares a layer's budget across its heads"),
     ],
 )
 def test_bad_options(options, match):
@@ -340,6 +341,91 @@ def test_layer_with_mask_from_end_reads_the_last_mask_columns():
     out, _ = attn.hf_kvcache_attention(_Module(), q, k, v, mask)
     ref, _ = sdpa_attention_forward(_Module(), q, k, v, mask[..., -7:], is_causal=False)
     torch.testing.assert_close(out, ref)
+
+
+# ---- per-head budgets (Ada-KV), stored compactly -------------------------------------------------------------------
+def test_select_across_heads_follows_the_score_mass():
+    slots = 10
+    window = torch.zeros(1, 2, 1, slots)
+    window[0, 0, 0, 3] = 1.0  # head 0: all attention on one token
+    window[0, 1, 0] = torch.linspace(1.0, 0.5, slots)  # head 1: spread over every token
+    view = SlotView(None, torch.arange(slots).expand(1, 2, slots), torch.ones(1, 2, slots, dtype=torch.bool),
+                    window=window)
+    keep = POLICIES["tova"]().select_across_heads(view, budget=5, floor=0.2)
+    assert keep.sum().item() == 10 and keep[0, 0, 3]
+    assert keep[0, 0].sum().item() == 1 and keep[0, 1].sum().item() == 9  # floor: int(0.2 * 5) = 1 slot per head
+    # slots that hold nothing are never kept
+    view.positions = view.positions.clone()
+    view.positions[0, 1, :4] = -1
+    view.valid = view.positions >= 0
+    keep = POLICIES["tova"]().select_across_heads(view, budget=5)
+    assert not keep[0, 1, :4].any()
+
+
+def test_key_mask_masks_empty_slots_per_head():
+    """The attention with a per-KV-head key mask equals SDPA per head over only the slots that head holds."""
+    q, k, v = _attn_inputs()  # [2, 4, 3, D] queries over 7 keys (4 held + 3 new), 2 KV heads
+    held = torch.ones(2, 2, 7, dtype=torch.bool)
+    held[0, 1, :3] = False  # row 0, KV head 1 holds 1 slot; head 0 holds all 4
+    layer = _Recorder()
+    layer.key_mask = lambda: held
+    setattr(k, LAYER_ATTR, layer)
+    mask = sdpa_mask(2, 3, 7, q_offset=4, allow_is_causal_skip=False)
+    out, _ = attn.hf_kvcache_attention(_Module(), q, k, v, mask)
+    ref = torch.empty_like(out)
+    for row in range(2):
+        for h in range(4):
+            keys = held[row, h // 2]
+            m = mask[row, 0][:, keys]
+            ref[row, :, h] = torch.softmax((q[row, h] @ k[row, h // 2, keys].T) * D**-0.5 + (~m) * -1e9, -1) @ v[row, h // 2, keys]
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+    assert layer.mass[0, 1, :3].abs().sum() == 0  # empty slots get no attention
+
+
+@pytest.mark.parametrize("policy", ["tova", "snapkv", "h2o"])
+def test_head_budgets_ragged_heads_stored_compactly(tiny_model, policy):
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, 97, (B, 30), generator=g)
+    am = torch.ones(B, 30, dtype=torch.long)
+    am[1, :7] = 0
+    positions = (am.cumsum(-1) - 1).clamp(min=0)
+    cache = H2OCache(config=model.config, budget=8, policy=policy, head_budgets=True)
+    with torch.inference_mode():
+        out = model(ids[:, :24], attention_mask=am[:, :24], past_key_values=cache, position_ids=positions[:, :24])
+        for t in range(24, 30):
+            layer = cache.layers[0]
+            assert layer.counts.sum(-1).tolist() == [8 * H] * B  # the layer's budget, shared by its heads
+            assert torch.isfinite(out.logits).all()
+            out = model(ids[:, t:t + 1], attention_mask=am[:, : t + 1], past_key_values=cache,
+                        position_ids=positions[:, t:t + 1])
+    counts = torch.stack([layer.counts for layer in cache.layers])
+    assert counts.sum(-1).eq(8 * H).all()
+    # flat storage: bytes are the kept slots only (keys + values fp32, positions, valid, scores for h2o)
+    per_slot = 2 * D * 4 + 4 + 1 + (4 if policy == "h2o" else 0)
+    store_bytes = sum(layer.counts.sum().item() * per_slot for layer in cache.layers)
+    ring = sum(sum(t.nbytes for t in (l.queries, l.query_positions, l.query_valid) if t is not None) + l.counts.nbytes
+               for l in cache.layers)
+    assert cache.memory_stats()["bytes"] == store_bytes + ring
+    # the stored keys are the model's keys at the kept positions, per head (compare with a dense run)
+    dense = DynamicCache(config=model.config)
+    with torch.inference_mode():
+        model(ids, attention_mask=am, past_key_values=dense, position_ids=positions)
+    layer = cache.layers[0]  # the first layer's keys do not depend on what was evicted
+    layer._expand()
+    for row in range(B):
+        for h in range(H):
+            pos = layer.store["positions"][row, h]
+            held = pos >= 0
+            assert held.sum() == counts[0, row, h]
+            torch.testing.assert_close(layer.store["keys"][row, h, held], dense.layers[0].keys[row, h, pos[held].long()])
+    layer._compact(layer.store["positions"] >= 0)
+    # beams: reorder / repeat keep the compact storage consistent
+    cache.batch_repeat_interleave(2)
+    assert cache.layers[0].counts.shape == (2 * B, H)
+    cache.reorder_cache(torch.tensor([3, 2, 1, 0]))
+    assert torch.equal(cache.layers[0].counts[0], counts[0, 1])
 
 
 # ---- the real model --------------------------------------------------------------------------------------------------

@@ -56,7 +56,7 @@ from ..options import CacheOptions, check_choice, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
-from .base import LAYER_ATTR, CompressedCache, CompressedLayer
+from .base import FP16_BYTES, LAYER_ATTR, CompressedCache, CompressedLayer
 
 DEFAULT_SINK_LENGTH = 4
 SPLIT_OPTIONS = ("recent_length", "recent_ratio", "heavy_length", "heavy_ratio")
@@ -90,7 +90,10 @@ class H2OOptions(CacheOptions):
     head), so `memory_stats()` shows the real bytes.
     `pyramid` p in [0, 1): per-layer budgets (PyramidKV-style), from (1 + p) x the budget in the first layer down to
     (1 - p) x in the last (same total). `min_budget`: with a ratio budget, never keep fewer than this many tokens
-    (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7)."""
+    (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
+    `head_budgets`: per-head budgets inside a layer (Ada-KV): the layer keeps `budget x kv_heads` slots per row, shared
+    by the heads by score (each head keeps at least a fifth of the budget), stored compactly between forwards (a flat
+    `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -106,6 +109,7 @@ class H2OOptions(CacheOptions):
     quant_group_size: int | None = None
     pyramid: float | None = None
     min_budget: int | None = None
+    head_budgets: bool = False
 
     def validate(self) -> None:
         check_choice("policy", self.policy, tuple(POLICIES))
@@ -173,6 +177,13 @@ class H2OOptions(CacheOptions):
             if self.quant_bits is None:
                 raise ValueError("quant_group_size applies when quant_bits is set (8, 4 or 2)")
             check_positive_int("quant_group_size", self.quant_group_size)
+        if not isinstance(self.head_budgets, bool):
+            raise ValueError(f"head_budgets must be True or False, got {self.head_budgets!r}")
+        if self.head_budgets and (not policy.needs_scores or policy.uses_keys):
+            raise ValueError(
+                f"head_budgets shares a layer's budget across its heads by attention, which needs a policy whose "
+                f"scores compare across heads (h2o, hybrid, tova, snapkv), not {self.policy!r}"
+            )
         if self.min_budget is not None:
             check_positive_int("min_budget", self.min_budget)
             if not isinstance(b, float):
@@ -221,6 +232,7 @@ class H2OLayer(CompressedLayer):
         self.policy = self.options.make_policy()
         self.query_window = self.policy.query_window()  # read by the hf_kvcache attention
         self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
+        self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
         self._clear_queries()
 
@@ -255,6 +267,7 @@ class H2OLayer(CompressedLayer):
             raise RuntimeError(MISSING_MASS.format(cls=type(self).__name__, policy=self.options.policy))
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._expand()
         if self.quantized and self.tokens_held():
             past_k, past_v = self.materialize()  # the held tokens, dequantized; the new ones attend exactly
             keys, values = torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
@@ -307,7 +320,7 @@ class H2OLayer(CompressedLayer):
         return self._dequantize("key", self.head_dim) if self.quantized else self.store["keys"]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        ring = [t for t in (self.queries, self.query_positions, self.query_valid) if t is not None]
+        ring = [t for t in (self.queries, self.query_positions, self.query_valid, self.counts) if t is not None]
         return list(self.store.values()) + ring
 
     # ---- what the attention function reports --------------------------------------------------------------------
@@ -387,6 +400,10 @@ class H2OLayer(CompressedLayer):
         if not self.store:
             return
         budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
+        if self.options.head_budgets:
+            keep = self.policy.select_across_heads(self.slot_view(), budget)
+            self._compact(keep if keep is not None else self.store["positions"] >= 0)
+            return
         if budget >= self.tokens_held():
             return
         keep = self.policy.select(self.slot_view(), budget)
@@ -399,29 +416,76 @@ class H2OLayer(CompressedLayer):
 
         self._map_store(take)
 
+    # ---- compact storage of ragged heads (head_budgets) -----------------------------------------------------------
+    def _compact(self, keep: torch.Tensor) -> None:
+        """Keep the slots `keep [batch, kv_heads, slots]` (bool): every stored tensor becomes flat `[kept, ...]`, in
+        (row, head, position) order, with `self.counts [batch, kv_heads]`."""
+        self.counts = keep.sum(-1)
+        self.store = {name: t[keep] for name, t in self.store.items()}
+
+    def _expand(self) -> None:
+        """Compact -> rectangular `[batch, kv_heads, M, ...]` (M: the largest count), each head's slots at the end,
+        the missing ones in front holding nothing (positions -1, valid False: the attention masks them per head)."""
+        if self.counts is None:
+            return
+        counts, self.counts = self.counts, None
+        m = int(counts.max()) if counts.numel() else 0
+        present = torch.arange(m, device=counts.device) >= (m - counts)[..., None]
+        store = {}
+        for name, t in self.store.items():
+            out = t.new_full((*counts.shape, m, *t.shape[1:]), -1 if name == "positions" else 0)
+            out[present] = t
+            store[name] = out
+        self.store = store
+
+    def key_mask(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, slots]` bool for the keys the last `update` returned: False for the slots a head does not
+        hold (and padding); the `"hf_kvcache"` attention masks them per head. None unless heads hold different
+        counts (`head_budgets`)."""
+        return self.store["valid"] if self.options.head_budgets and self.counts is None and self.store else None
+
+    def tokens_held(self) -> int:
+        if self.counts is not None:
+            return int(self.counts.max()) if self.counts.numel() else 0
+        return super().tokens_held()
+
+    def fp16_bytes(self) -> int:
+        if self.counts is None:
+            return super().fp16_bytes()
+        return FP16_BYTES * self.counts.shape[0] * self.num_heads * self.cumulative_length * (self.head_dim + self.value_dim)
+
     # ---- positions, masks, batch contract -----------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         held = self.tokens_held()
         return held + query_length, self.cumulative_length - held
 
     def evicted(self) -> int:
-        return self.cumulative_length - self.tokens_held() if self._pending == 0 else 0
+        """Tokens evicted by the head that evicted most (0 while a forward is under way)."""
+        held = int(self.counts.min()) if self.counts is not None and self.counts.numel() else self.tokens_held()
+        return self.cumulative_length - held if self._pending == 0 else 0
 
     def _map_queries(self, fn) -> None:
         if self.queries is not None:
             self.queries, self.query_valid = fn(self.queries), fn(self.query_valid)
 
+    def _batch_op(self, op, fn) -> None:
+        compact = self.counts is not None
+        self._expand()
+        op()
+        if compact:
+            self._compact(self.store["positions"] >= 0)
+        self._map_queries(fn)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        super().reorder_cache(beam_idx)
-        self._map_queries(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._batch_op(lambda: super(H2OLayer, self).reorder_cache(beam_idx),
+                       lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        super().batch_select_indices(indices)
-        self._map_queries(lambda t: t[indices])
+        self._batch_op(lambda: super(H2OLayer, self).batch_select_indices(indices), lambda t: t[indices])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        super().batch_repeat_interleave(repeats)
-        self._map_queries(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._batch_op(lambda: super(H2OLayer, self).batch_repeat_interleave(repeats),
+                       lambda t: t.repeat_interleave(repeats, dim=0))
 
     def crop(self, tokens_to_remove: int) -> None:
         if tokens_to_remove < 0 and self.is_initialized and self.evicted() > 0:
@@ -431,7 +495,11 @@ class H2OLayer(CompressedLayer):
                 "cannot be restored. Assisted / speculative decoding needs a cache that does not evict (or a budget "
                 "that covers the whole sequence)."
             )
+        compact = self.counts is not None
+        self._expand()
         super().crop(tokens_to_remove)
+        if compact:
+            self._compact(self.store["positions"] >= 0)
         if self.queries is not None:  # queries of cropped positions go too
             keep = self.query_positions < self.cumulative_length
             self.queries, self.query_positions = self.queries[:, :, keep], self.query_positions[keep]
@@ -440,6 +508,7 @@ class H2OLayer(CompressedLayer):
     def reset(self) -> None:
         super().reset()
         self._pending = 0
+        self.counts = None
         self._clear_queries()
 
 

@@ -122,6 +122,29 @@ class EvictionPolicy:
         priority = self.priority(view, budget).float().masked_fill(~view.valid, -INF)
         return priority.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
+    def select_across_heads(self, view: SlotView, budget: int, floor: float = 0.2) -> torch.Tensor | None:
+        """Per-head budgets (Ada-KV): `[batch, kv_heads, slots]` bool, the slots to keep, `budget * kv_heads` per row
+        shared by the KV heads of a layer by priority (heads whose attention is spread keep more, peaked heads fewer),
+        each head keeping at least `floor * budget` of its best slots (and its protected ones). Priorities must be
+        comparable across heads (attention-based ones are: each query head's attention sums to 1). None = keep all.
+        Slots that hold no token (`positions < 0`) are never kept."""
+        b, h, slots = view.valid.shape
+        exists = view.positions >= 0
+        total = budget * h
+        if int(exists.sum(dim=(1, 2)).max()) <= total:
+            return None
+        priority = self.priority(view, budget).float().masked_fill(~view.valid, -INF)
+        guaranteed = min(slots, max(0, int(floor * budget)))
+        if guaranteed:  # each head's best slots rank above every unprotected slot of the layer
+            top = priority.topk(guaranteed, dim=-1).indices
+            best = priority.gather(-1, top)
+            best = torch.where(best > -INF, best.clamp_min(torch.finfo(torch.float32).max), best)
+            priority = priority.scatter(-1, top, best)
+        flat = priority.reshape(b, h * slots)
+        idx = flat.topk(min(total, h * slots), dim=-1).indices
+        keep = torch.zeros(b, h * slots, dtype=torch.bool, device=flat.device).scatter_(-1, idx, True)
+        return keep.view(b, h, slots) & exists
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
