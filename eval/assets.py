@@ -325,8 +325,16 @@ def load_model(name: str = "smollm2-135m", dtype: torch.dtype = torch.float32, a
     kwargs = {"dtype": dtype}
     if attn_implementation:
         kwargs["attn_implementation"] = attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs).eval()
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as exc:
+        if zoo_model(name) is not None or os.path.exists(name):
+            raise
+        raise AssetError(
+            f"{name!r} is not a zoo model ({', '.join(zoo_names())}) nor a local folder, and loading it as a hub id "
+            f"failed: {str(exc).splitlines()[0]}"
+        ) from exc
     return model, tokenizer
 
 

@@ -49,6 +49,17 @@ def test_unknown_names_pass_through_to_from_pretrained():
     assert model_dir("/a/local/folder") == "/a/local/folder"
 
 
+def test_unloadable_name_is_an_asset_error_listing_the_zoo(monkeypatch):
+    import transformers
+
+    def offline(*args, **kwargs):
+        raise OSError("We couldn't connect to the hub\nmore text")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(AssetError, match="not a zoo model .*gemma3-270m.* couldn't connect"):
+        assets.load_model("no-such-org/no-such-model")
+
+
 def test_cli_help_lists_the_zoo(capsys):
     from hf_kvcache.cli import build_parser
 
