@@ -267,7 +267,7 @@ def test_generate_by_name_switches_attention(smol, pydoc_text):
     kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False)
     try:
         out = model.generate(ids, cache_implementation="h2o", cache_config={"budget": 24}, return_dict_in_generate=True, **kw)
-        assert model.config._attn_implementation == "hf_kvcache"
+        assert model.config._attn_implementation == "sdpa"  # switched for generate, handed back afterwards
         cache = out.past_key_values
         assert isinstance(cache, H2OCache) and cache.tokens_held() == 24 and cache.get_seq_length() == 67
         # a budget that keeps everything generates exactly what the dynamic cache does
