@@ -72,6 +72,12 @@ def _cmd_passkey(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_codec_bench(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.codec_bench import main_args
+
+    return main_args(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Generate from a real prompt with each cache, then the side-by-side table on real text."""
     import torch
@@ -162,6 +168,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("caches", help="list cache names")
     p.set_defaults(func=_cmd_caches)
+
+    from hf_kvcache.eval.codec_bench import add_arguments as _codec_bench_arguments
+
+    p = sub.add_parser("codec-bench", help="KV codec: bytes/token, perplexity after a round trip, MB/s, TTFT")
+    _codec_bench_arguments(p)
+    p.set_defaults(func=_cmd_codec_bench)
     return parser
 
 

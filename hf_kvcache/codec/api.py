@@ -12,7 +12,7 @@ from ..caches.tiered import KIVICache, TieredQuantCache
 from ..caches.uniform import UniformQuantCache
 from . import lossless, lossy
 from .container import check_fingerprint, fingerprint, pack, unpack
-from .layers import LAYER_CODECS, dtype_name, dtype_of, layer_codec, layer_kv
+from .layers import LAYER_CODECS, dtype_name, dtype_of, layer_codec, layer_kv, set_dynamic_layer
 
 MODES = ("lossy", "lossless")
 # cache classes the lossless mode rebuilds, by name
@@ -73,8 +73,7 @@ def encode(cache: Cache, *, config: Any, mode: str = "lossy", **options: Any) ->
         fp = fingerprint(config, dtype_name(dtype))
         _check_against_config(cache, fp, dims)
         header = {"mode": mode, "fingerprint": fp, "tokens": tokens, "batch": batch,
-                  "options": {"chunk_size": opts.chunk_size, "bins": list(opts.bins),
-                              "group_channels": opts.group_channels},
+                  "options": opts.to_dict(),
                   "layers": metas}
         return pack(header, sections)
 
@@ -125,14 +124,13 @@ def decode(data: bytes, config: Any, *, device: str | torch.device = "cpu",
     check_fingerprint(h["fingerprint"], config)
     device = torch.device(device)
     if h["mode"] == "lossy":
-        opts = lossy.LossyOptions(chunk_size=h["options"]["chunk_size"], bins=tuple(h["options"]["bins"]),
-                                  group_channels=h["options"]["group_channels"])
+        opts = lossy.LossyOptions(**{**h["options"], "bins": tuple(h["options"]["bins"])})
         dt = dtype or dtype_of(h["fingerprint"]["dtype"])
         cache = DynamicCache(config=config)
         for i, meta in enumerate(h["layers"]):
             k = lossy.decode_tensor(blob.sections[f"L{i}.k"], meta["k"], opts, dt, device)
             v = lossy.decode_tensor(blob.sections[f"L{i}.v"], meta["v"], opts, dt, device)
-            cache.layers[i].update(k, v)
+            set_dynamic_layer(cache.layers[i], k, v)
         return cache
     if h["mode"] != "lossless":
         raise ValueError(f"corrupt KV blob: unknown mode {h['mode']!r}")

@@ -6,7 +6,7 @@ Layout (little-endian)::
     format version               u16
     header length                u32
     header crc32                 u32
-    header                       JSON (utf-8): mode, model fingerprint, token count, options, per-layer metadata,
+    header                       zstd-compressed JSON (utf-8): mode, model fingerprint, token count, options, per-layer metadata,
                                  and the list of sections (name, byte length, crc32)
     sections                     concatenated, in the header's order
 
@@ -22,6 +22,8 @@ import struct
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
+
+import zstandard
 
 MAGIC = b"HFKVCODEC"
 FORMAT_VERSION = 1
@@ -90,7 +92,8 @@ def pack(header: dict[str, Any], sections: list[tuple[str, bytes]]) -> bytes:
         raise ValueError(f"duplicate section names in {names}")
     header = dict(header)
     header["sections"] = [{"name": n, "length": len(b), "crc32": zlib.crc32(b)} for n, b in sections]
-    head = json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8")
+    head = zstandard.ZstdCompressor(level=9).compress(
+        json.dumps(header, sort_keys=True, separators=(",", ":")).encode("utf-8"))
     parts = [MAGIC, _PREFIX.pack(FORMAT_VERSION, len(head), zlib.crc32(head)), head]
     parts.extend(b for _, b in sections)
     return b"".join(parts)
@@ -119,9 +122,9 @@ def unpack(data: bytes | bytearray | memoryview) -> Blob:
     if zlib.crc32(head) != head_crc:
         raise ValueError("corrupt KV blob: header checksum mismatch")
     try:
-        header = json.loads(head.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:  # pragma: no cover - crc makes this unlikely
-        raise ValueError(f"corrupt KV blob: header is not valid JSON ({exc})") from None
+        header = json.loads(zstandard.ZstdDecompressor().decompress(head, max_output_size=64 << 20).decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, zstandard.ZstdError) as exc:  # pragma: no cover - crc makes this unlikely
+        raise ValueError(f"corrupt KV blob: header is not valid zstd JSON ({exc})") from None
     pos = _FIXED + head_len
     expected = pos + sum(s["length"] for s in header["sections"])
     if len(data) < expected:

@@ -1,8 +1,8 @@
-"""Entropy coding of symbol streams with `constriction` (range coder, categorical models), and zstd for the rest.
+"""Entropy coding of symbol streams with `constriction` (its ANS coder, categorical models), and zstd for the rest.
 
 A stream is a list of *groups*, each a flat array of integer symbols in `[0, alphabet)` coded with its own
-categorical model: the group's symbol histogram, stored (scaled to uint16, zstd-compressed) in front of the range
-coder's words, so encoder and decoder build bit-identical models from the same integers. `constriction` does the
+categorical model: the group's symbol histogram, stored (scaled to uint16, zstd-compressed) in front of the ANS
+coder's words (ANS is a stack: groups are encoded last to first so that they decode first to last), so encoder and decoder build bit-identical models from the same integers. `constriction` does the
 arithmetic; nothing here is a hand-written coder.
 """
 
@@ -43,10 +43,10 @@ def encode_groups(groups: Sequence[np.ndarray], alphabet: int) -> bytes:
         counts[i] = np.bincount(g, minlength=alphabet)
         arrays.append(g)
     table = _scaled_counts(counts)
-    encoder = constriction.stream.queue.RangeEncoder()
-    for g, row in zip(arrays, table):
+    encoder = constriction.stream.stack.AnsCoder()
+    for g, row in reversed(list(zip(arrays, table))):
         if g.size:
-            encoder.encode(g, _model(row))
+            encoder.encode_reverse(g, _model(row))
     words = encoder.get_compressed()
     packed_table = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compress(table.tobytes())
     return _HEAD.pack(len(groups), alphabet, len(packed_table)) + packed_table + words.astype("<u4").tobytes()
@@ -65,7 +65,7 @@ def decode_groups(data: bytes, sizes: Sequence[int]) -> list[np.ndarray]:
         dtype=np.uint16,
     ).reshape(n_groups, alphabet)
     words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)
-    decoder = constriction.stream.queue.RangeDecoder(words)
+    decoder = constriction.stream.stack.AnsCoder(words)
     out = []
     for size, row in zip(sizes, table):
         if size == 0:

@@ -95,6 +95,14 @@ def _dynamic_state(layer: DynamicLayer) -> LayerState:
                       {"keys": layer.keys.detach().cpu().contiguous(), "values": layer.values.detach().cpu().contiguous()})
 
 
+def set_dynamic_layer(layer: DynamicLayer, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Fill an empty transformers `DynamicLayer` with keys / values `[batch, kv_heads, tokens, head_dim]`."""
+    layer.lazy_initialization(k[:, :, :0], v[:, :, :0])
+    layer.keys, layer.values = k, v
+    if hasattr(layer, "cumulative_length"):
+        layer.cumulative_length = k.shape[2]
+
+
 def _dynamic_restore(layer: DynamicLayer, state: LayerState, device: torch.device) -> None:
     k, v = state.tensors["keys"].to(device), state.tensors["values"].to(device)
     layer.lazy_initialization(k[:, :, :0], v[:, :, :0])

@@ -1,9 +1,13 @@
-"""Lossless coding of a layer's state: its 1-byte code tensors entropy-coded, everything else byte-shuffled + zstd.
+"""Lossless coding of a layer's state: every tensor by the smallest of a few bit-exact encodings.
 
-A tensor of a 1-byte dtype (packed uint8 codes, int8 codes, fp8 values) is coded byte by byte with `constriction`,
-one categorical model per KV head (`[batch, heads, tokens, ...]` tensors) over the 256 byte values: a byte of packed
-2-bit codes carries four codes, so the model sees their joint distribution. Other tensors (fp16 scales / zeros / tails,
-fp32 keys) are split into byte planes and zstd-compressed. The round trip is bit-exact.
+* 1-byte tensors (packed uint8 codes, int8 codes, fp8 values): the bytes as symbols, or unpacked into 4-bit or 2-bit
+  symbols (the same bits, cut differently: bit-exact whatever the packing layout), entropy-coded with `constriction`,
+  one categorical model per KV head (`[batch, heads, tokens, ...]` tensors);
+* 2-byte tensors (fp16 scales / zeros / tails): the high bytes (sign, exponent, top mantissa bits) entropy-coded per
+  head, the low bytes raw; or both byte planes zstd-compressed;
+* anything else: byte planes + zstd.
+
+Each tensor keeps whichever candidate is smallest (its name is in the metadata), so the round trip is bit-exact.
 """
 
 from __future__ import annotations
@@ -20,49 +24,86 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _head_groups(t: torch.Tensor) -> int:
-    return t.shape[1] if t.dim() >= 2 and t.shape[1] > 0 else 1
+def _per_head(u8: np.ndarray) -> np.ndarray:
+    """`[batch, heads, ...]` bytes -> `[heads, batch * rest]` (one row per head; one row for < 2-D tensors)."""
+    if u8.ndim >= 2 and u8.shape[1] > 0:
+        return np.ascontiguousarray(np.moveaxis(u8, 1, 0)).reshape(u8.shape[1], -1)
+    return u8.reshape(1, -1)
+
+
+def _from_per_head(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if len(shape) >= 2 and shape[1] > 0:
+        return np.moveaxis(rows.reshape(shape[1], shape[0], *shape[2:]), 0, 1)
+    return rows.reshape(shape)
+
+
+def _ans_bytes(u8: np.ndarray, bits: int) -> bytes:
+    """Entropy-code a uint8 array cut into `bits`-bit symbols (8, 4 or 2), one model per head."""
+    rows = _per_head(u8)
+    per = 8 // bits
+    if per > 1:
+        mask = (1 << bits) - 1
+        rows = np.stack([(rows >> (bits * j)) & mask for j in range(per)], axis=-1).reshape(rows.shape[0], -1)
+    return encode_groups(list(rows.astype(np.int32)), 1 << bits)
+
+
+def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int) -> np.ndarray:
+    heads = shape[1] if len(shape) >= 2 and shape[1] > 0 else 1
+    numel = int(np.prod(shape))
+    per = 8 // bits
+    rows = np.stack(decode_groups(data, [numel // heads * per] * heads))
+    if per > 1:
+        rows = rows.reshape(heads, -1, per)
+        packed = np.zeros(rows.shape[:2], dtype=np.int32)
+        for j in range(per):
+            packed |= rows[:, :, j] << (bits * j)
+        rows = packed
+    return _from_per_head(rows.astype(np.uint8), shape)
+
+
+def _planes(t: torch.Tensor) -> np.ndarray:
+    """`[..., itemsize]` byte planes (little-endian: plane 0 is the low byte)."""
+    return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(*t.shape, t.element_size())
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
-    """Bytes and metadata (name-free) of one tensor."""
+    """Bytes and metadata (name-free) of one tensor: the smallest bit-exact candidate encoding."""
     meta = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
     if t.numel() == 0:
-        meta["enc"] = "empty"
-        return b"", meta
+        return b"", {**meta, "enc": "empty"}
+    candidates: dict[str, bytes] = {"zstd-shuffle": shuffle_compress(_raw_bytes(t), t.element_size())}
     if t.element_size() == 1:
-        heads = _head_groups(t)
-        u8 = t.detach().cpu().contiguous().view(torch.uint8)
-        per_head = u8.transpose(0, 1).reshape(heads, -1).to(torch.int32).numpy() if t.dim() >= 2 else \
-            u8.reshape(1, -1).to(torch.int32).numpy()
-        meta["enc"] = "ans8"
-        return encode_groups(list(per_head), 256), meta
-    meta["enc"] = "zstd-shuffle"
-    return shuffle_compress(_raw_bytes(t), t.element_size()), meta
+        u8 = _planes(t)[..., 0]
+        for bits in (8, 4, 2):
+            candidates[f"ans{bits}"] = _ans_bytes(u8, bits)
+    elif t.element_size() == 2:
+        planes = _planes(t)
+        candidates["hi-ans"] = join_parts([_ans_bytes(planes[..., 1], 8), planes[..., 0].tobytes()])
+    enc = min(candidates, key=lambda k: len(candidates[k]))
+    return candidates[enc], {**meta, "enc": enc}
 
 
 def decode_tensor(data: bytes, meta: dict) -> torch.Tensor:
     dt = dtype_of(meta["dtype"])
     shape = tuple(meta["shape"])
-    if meta["enc"] == "empty":
+    enc = meta["enc"]
+    if enc == "empty":
         return torch.empty(shape, dtype=dt)
     itemsize = torch.empty((), dtype=dt).element_size()
     numel = int(np.prod(shape))
-    if meta["enc"] == "ans8":
-        if len(shape) >= 2:
-            heads = shape[1]
-            per = numel // heads
-            rows = decode_groups(data, [per] * heads)
-            # stored as [heads, batch, rest...]: put the batch back in front
-            u8 = torch.from_numpy(np.stack(rows).astype(np.uint8)).view(heads, shape[0], *shape[2:]).transpose(0, 1)
-        else:
-            (row,) = decode_groups(data, [numel])
-            u8 = torch.from_numpy(row.astype(np.uint8))
-        return u8.contiguous().view(dt).reshape(shape)
-    if meta["enc"] == "zstd-shuffle":
-        raw = shuffle_decompress(data, itemsize, numel * itemsize)
-        return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dt).reshape(shape)
-    raise ValueError(f"corrupt KV blob: unknown tensor encoding {meta['enc']!r}")
+    if enc in ("ans8", "ans4", "ans2"):
+        u8 = _ans_unbytes(data, shape, int(enc[3:]))
+    elif enc == "hi-ans":
+        hi_part, lo_part = split_parts(data, 2)
+        if len(lo_part) != numel:
+            raise ValueError("corrupt KV blob: low-byte plane has the wrong size")
+        u8 = np.stack([np.frombuffer(lo_part, dtype=np.uint8).reshape(shape), _ans_unbytes(hi_part, shape, 8)], -1)
+    elif enc == "zstd-shuffle":
+        u8 = np.frombuffer(shuffle_decompress(data, itemsize, numel * itemsize), dtype=np.uint8)
+    else:
+        raise ValueError(f"corrupt KV blob: unknown tensor encoding {enc!r}")
+    raw = torch.from_numpy(np.ascontiguousarray(u8).reshape(-1).copy())
+    return raw.view(dt).reshape(shape)
 
 
 def encode_state(state: LayerState) -> tuple[bytes, dict]:

@@ -3,17 +3,21 @@
 For one tensor `x [batch, kv_heads, tokens, dim]` of layer `l` (keys and values separately):
 
 1. Tokens are split into chunks of `chunk_size`; the first token of each chunk is its *anchor*, stored at higher
-   precision: int8 codes with one fp16 scale per (row, head, anchor token) (absmax / 127).
+   precision: int8 codes with one fp16 scale per (row, head, chunk) (absmax / 127). (The first token of the sequence,
+   the attention sink that quality is most sensitive to, is always an anchor. A chunk-mean "virtual anchor" was tried
+   and dropped: it left the sink at delta precision and cost +9 % perplexity on SmolLM2.)
 2. Every other token is coded as its delta to the *dequantized* anchor of its chunk (so errors never accumulate),
-   quantized uniformly with one step per (head, channel): `step = 4 * std(delta) / bins_l`, i.e. `bins_l` bins across
-   +-2 standard deviations of that channel's deltas. `bins_l` depends on the depth of the layer: `bins` gives one value
-   per depth band (layers split evenly into `len(bins)` bands, shallow first), more bins for shallow layers, whose
-   errors the paper measures to hurt quality most. Deltas past `2 * bins_l` steps are clipped (beyond 8 sigma).
-3. Symbols are entropy-coded with `constriction`'s range coder, one categorical model per (layer, keys|values,
+   quantized uniformly with one step per (head, channel): `step = 4 * std / bins_l`, i.e. `bins_l` bins across
+   +-2 standard deviations of that channel (of its deltas or of its values: `step_from`). `bins_l` depends on the
+   depth of the layer: `bins` gives one value per depth band (layers split evenly into `len(bins)` bands, shallow
+   first), more bins for shallow layers, whose errors the paper measures to hurt quality most. Deltas past
+   `2 * bins_l` steps (attention-sink tokens, outliers) are escaped: an extra symbol in the stream, their exact
+   quantized value in a side list, so nothing is clipped.
+3. Symbols are entropy-coded with `constriction`'s ANS coder, one categorical model per (layer, keys|values,
    channel group of `group_channels` channels); anchor codes with one model per (layer, keys|values).
 
-Error bound: a non-anchor element is off by at most `step / 2` (unless clipped); an anchor by `scale / 2` (and a
-non-anchor inherits its anchor's error on top).
+Error bound: a delta-coded element is off by at most `step / 2` (deltas are taken to the dequantized anchor, so the
+anchor's own error does not carry over), an anchor element by at most `scale / 2`.
 """
 
 from __future__ import annotations
@@ -23,10 +27,12 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import zstandard
 
 from .entropy import decode_groups, encode_groups
 
 _PARTS = struct.Struct("<I")
+STEP_FROM = ("deltas", "values")
 
 
 def join_parts(parts: list[bytes]) -> bytes:
@@ -56,11 +62,14 @@ class LossyOptions:
     - bins: bins across +-2 std of a channel's deltas, one value per depth band (shallow layers first); a single int
       applies to every layer
     - group_channels: channels (over heads x head_dim) sharing one entropy model
+    - step_from: what the +-2 std that `bins` divides is measured on: "deltas" (each channel's deltas) or "values"
+      (each channel's values: the same absolute error for channels whose deltas are small, so they cost fewer bits)
     """
 
     chunk_size: int = 16
-    bins: tuple[int, ...] = (32, 24, 16)
+    bins: tuple[int, ...] = (12, 8, 6)
     group_channels: int = 32
+    step_from: str = "values"
 
     def __post_init__(self) -> None:
         if isinstance(self.bins, int):
@@ -72,16 +81,25 @@ class LossyOptions:
             raise ValueError(f"bins must be an int or a sequence of ints in 2..1024, got {self.bins!r}")
         if not isinstance(self.group_channels, int) or isinstance(self.group_channels, bool) or self.group_channels < 1:
             raise ValueError(f"group_channels must be a positive integer, got {self.group_channels!r}")
+        if self.step_from not in STEP_FROM:
+            raise ValueError(f"step_from={self.step_from!r} is not valid; choose one of {list(STEP_FROM)}")
+
+    def to_dict(self) -> dict:
+        return {"chunk_size": self.chunk_size, "bins": list(self.bins), "group_channels": self.group_channels,
+                "step_from": self.step_from}
 
     def bins_for(self, layer: int, layers: int) -> int:
         band = min(len(self.bins) - 1, layer * len(self.bins) // max(layers, 1))
         return self.bins[band]
 
 
-def _positions(tokens: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    t = torch.arange(tokens)
-    anchor = t % chunk == 0
-    return anchor, ~anchor, t // chunk
+def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
+    """`[b, h, t, d]` -> `[b, h, chunks, chunk, d]`, padding the last chunk by repeating the last token."""
+    b, h, t, d = x.shape
+    n = -(-t // chunk)
+    if n * chunk != t:
+        x = torch.cat([x, x[:, :, -1:].expand(b, h, n * chunk - t, d)], dim=2)
+    return x.view(b, h, n, chunk, d)
 
 
 def _groups(channels: int, size: int) -> list[tuple[int, int]]:
@@ -89,59 +107,97 @@ def _groups(channels: int, size: int) -> list[tuple[int, int]]:
 
 
 def encode_tensor(x: torch.Tensor, bins: int, opts: LossyOptions) -> tuple[bytes, dict]:
-    """Code `x [batch, heads, tokens, dim]`; returns the section bytes and the metadata `decode_tensor` needs."""
-    x = x.detach().to("cpu", torch.float32)
+    """Code `x [batch, heads, tokens, dim]`; returns the section bytes and the metadata `decode_tensor` needs.
+
+    Token order inside a chunk is kept: the delta-coded tokens, chunk after chunk, are the first `nr` rows of the
+    padded `[chunks * coded_per_chunk]` layout (the padding sits at the end of the last chunk). The arithmetic runs
+    in numpy (single-threaded and predictable next to a busy torch thread pool)."""
+    x = x.detach().to("cpu", torch.float32).numpy()
     b, h, t, d = x.shape
-    anchor_mask, rest_mask, chunk_of = _positions(t, opts.chunk_size)
-    anchors = x[:, :, anchor_mask]  # [b, h, na, d]
-    scale = (anchors.abs().amax(-1, keepdim=True) / 127.0).to(torch.float16).float().clamp_min(1e-30)
-    codes = torch.round(anchors / scale).clamp(-127, 127)
+    c, k0 = opts.chunk_size, 1  # position 0 of a chunk is its anchor
+    n = -(-t // c)
+    if n * c != t:  # pad the last chunk by repeating the last token
+        x = np.concatenate([x, np.repeat(x[:, :, -1:], n * c - t, axis=2)], axis=2)
+    xc = x.reshape(b, h, n, c, d)
+    anchors = xc[:, :, :, 0]  # [b, h, n, d]
+    scale = (np.abs(anchors).max(-1, keepdims=True) / 127.0).astype(np.float16).astype(np.float32)
+    scale = np.maximum(scale, np.float32(1e-30))
+    codes = np.clip(np.rint(anchors / scale), -127, 127)
     anchor_hat = codes * scale
-    deltas = x[:, :, rest_mask] - anchor_hat[:, :, chunk_of[rest_mask]]  # [b, h, nr, d]
-    nr = deltas.shape[2]
+    nr = t - n * k0
+    cd = c - k0
     if nr:
-        std = deltas.std(dim=(0, 2), correction=0) if b * nr > 1 else deltas.abs().amax(dim=(0, 2))
-        step = (4.0 * std / bins).clamp_min(1e-6).to(torch.float16).float()  # [h, d]
-        sym = torch.round(deltas / step[None, :, None, :])
-        limit = int(min(2 * bins, max(1.0, sym.abs().max().item())))
-        sym = sym.clamp(-limit, limit)
-        flat = (sym.permute(1, 3, 0, 2).reshape(h * d, b * nr) + limit).to(torch.int32).numpy()
+        deltas = (xc[:, :, :, k0:] - anchor_hat[:, :, :, None]).reshape(b, h, n * cd, d)[:, :, :nr]
+        # channel-major [h * d, b * nr]: one contiguous row per channel, entropy groups are row blocks
+        rows = np.ascontiguousarray(deltas.transpose(1, 3, 0, 2)).reshape(h * d, b * nr)
+        ref = xc.reshape(b, h, n * c, d)[:, :, :t].transpose(1, 3, 0, 2).reshape(h * d, -1)
+        spread = ref.std(axis=1) if opts.step_from == "values" else rows.std(axis=1)
+        step = np.maximum(4.0 * spread / bins, 1e-6).astype(np.float16).astype(np.float32)  # [h * d]
+        sym = np.rint(rows / step[:, None]).astype(np.int64)
+        limit = int(min(2 * bins, max(1, int(np.abs(sym).max()))))
+        # symbols past +-limit are escaped: coded as the extra symbol 2 * limit + 1, their value stored exactly
+        outside = np.abs(sym) > limit
+        where = np.flatnonzero(outside).astype(np.uint64)
+        values = sym.reshape(-1)[where.astype(np.int64)].astype(np.int64)
+        flat = np.where(outside, 2 * limit + 1, sym + limit).astype(np.int32)
         spans = _groups(h * d, opts.group_channels)
-        delta_bytes = encode_groups([flat[a:e].reshape(-1) for a, e in spans], 2 * limit + 1)
+        delta_bytes = encode_groups([flat[a:e].reshape(-1) for a, e in spans], 2 * limit + 2)
     else:
-        step = torch.ones(h, d)
+        step = np.ones(h * d, dtype=np.float32)
         limit, delta_bytes = 0, b""
-    anchor_sym = (codes.to(torch.int32) + 127).numpy().reshape(-1)
+        where, values = np.zeros(0, np.uint64), np.zeros(0, np.int64)
+    escapes = zstandard.ZstdCompressor(level=3).compress(where.astype("<u8").tobytes() + values.astype("<i8").tobytes())
+    anchor_sym = (codes.astype(np.int32) + 127).reshape(-1)
     parts = [
         encode_groups([anchor_sym], 255),
-        scale.to(torch.float16).numpy().tobytes(),
-        step.to(torch.float16).numpy().tobytes(),
+        scale.astype(np.float16).tobytes(),
+        step.astype(np.float16).tobytes(),
         delta_bytes,
+        escapes,
     ]
-    return join_parts(parts), {"shape": [b, h, t, d], "limit": limit}
+    return join_parts(parts), {"shape": [b, h, t, d], "limit": limit, "escapes": int(where.size)}
 
 
 def decode_tensor(data: bytes, meta: dict, opts: LossyOptions, dtype: torch.dtype,
                   device: torch.device) -> torch.Tensor:
-    """Inverse of `encode_tensor`: `[batch, heads, tokens, dim]` in `dtype` on `device`."""
+    """Inverse of `encode_tensor`: `[batch, heads, tokens, dim]` in `dtype` on `device`. The arithmetic runs in
+    numpy (single-threaded and predictable next to a busy torch thread pool)."""
     b, h, t, d = meta["shape"]
     limit = meta["limit"]
-    anchor_mask, rest_mask, chunk_of = _positions(t, opts.chunk_size)
-    na, nr = int(anchor_mask.sum()), t - int(anchor_mask.sum())
-    anchor_part, scale_part, step_part, delta_part = split_parts(data, 4)
-    if len(scale_part) != 2 * b * h * na or len(step_part) != 2 * h * d:
+    c, k0 = opts.chunk_size, 1
+    n = -(-t // c)
+    nr = t - n * k0
+    cd = c - k0
+    anchor_part, scale_part, step_part, delta_part, escape_part = split_parts(data, 5)
+    if len(scale_part) != 2 * b * h * n or len(step_part) != 2 * h * d:
         raise ValueError("corrupt KV blob: lossy section sizes do not match the header")
-    (anchor_sym,) = decode_groups(anchor_part, [b * h * na * d])
-    codes = torch.from_numpy(anchor_sym).view(b, h, na, d).float() - 127.0
-    scale = torch.from_numpy(np.frombuffer(scale_part, dtype=np.float16).copy()).view(b, h, na, 1).float()
-    anchor_hat = codes * scale
-    out = torch.empty(b, h, t, d, dtype=torch.float32)
-    out[:, :, anchor_mask] = anchor_hat
+    (anchor_sym,) = decode_groups(anchor_part, [b * h * n * d])
+    scale = np.frombuffer(scale_part, dtype=np.float16).astype(np.float32).reshape(b, h, n, 1)
+    anchor_hat = (anchor_sym.reshape(b, h, n, d) - np.int32(127)).astype(np.float32)
+    anchor_hat *= scale
+    out = np.empty((b, h, n, c, d), dtype=np.float32)
+    if k0:
+        out[:, :, :, 0] = anchor_hat
     if nr:
-        step = torch.from_numpy(np.frombuffer(step_part, dtype=np.float16).copy()).view(h, d).float()
+        step = np.frombuffer(step_part, dtype=np.float16).astype(np.float32)
         spans = _groups(h * d, opts.group_channels)
         decoded = decode_groups(delta_part, [(e - a) * b * nr for a, e in spans])
-        flat = torch.from_numpy(np.concatenate(decoded)).view(h, d, b, nr)
-        deltas = (flat.permute(2, 0, 3, 1).float() - limit) * step[None, :, None, :]
-        out[:, :, rest_mask] = deltas + anchor_hat[:, :, chunk_of[rest_mask]]
-    return out.to(device=device, dtype=dtype)
+        rows = np.concatenate(decoded).reshape(h * d, b * nr)
+        n_esc = meta.get("escapes", 0)
+        if n_esc:
+            raw = zstandard.ZstdDecompressor().decompress(escape_part, max_output_size=16 * n_esc)
+            if len(raw) != 16 * n_esc:
+                raise ValueError("corrupt KV blob: escape list does not match the header")
+            where = np.frombuffer(raw[: 8 * n_esc], dtype="<u8").astype(np.int64)
+            values = np.frombuffer(raw[8 * n_esc :], dtype="<i8")
+            rows = rows.astype(np.int64)
+            rows.reshape(-1)[where] = values + limit
+        rows = (rows - limit).astype(np.float32)
+        rows *= step[:, None]
+        rest = np.zeros((b, h, n * cd, d), dtype=np.float32)
+        rest[:, :, :nr] = rows.reshape(h, d, b, nr).transpose(2, 0, 3, 1)
+        rest = rest.reshape(b, h, n, cd, d)
+        rest += anchor_hat[:, :, :, None]
+        out[:, :, :, k0:] = rest
+    x = torch.from_numpy(out.reshape(b, h, n * c, d)[:, :, :t])
+    return x.to(device=device, dtype=dtype)

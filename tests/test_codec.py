@@ -1,0 +1,225 @@
+"""hf_kvcache.codec: lossless round trips are bit-exact for every cache kind it supports, lossy round trips stay within
+their measured error bound for every cache type, bad blobs raise ValueError naming what is wrong, and SmolLM2 decodes
+the same greedy tokens after a lossless round trip of a tiered cache."""
+
+from __future__ import annotations
+
+import copy
+import struct
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+import hf_kvcache  # noqa: F401  (registers the attention implementation)
+from hf_kvcache import codec
+from hf_kvcache.caches import CPACCache, H2OCache, KIVICache, TieredQuantCache, UniformQuantCache
+from hf_kvcache.codec.container import MAGIC
+
+TOKENS = 300
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 128, (2, TOKENS), generator=torch.Generator().manual_seed(1))
+    return model, cfg, ids
+
+
+def _fill(model, cache, ids, attn="sdpa", chunk=100):
+    model.set_attn_implementation(attn)
+    with torch.inference_mode():
+        for s in range(0, ids.shape[1], chunk):
+            model(ids[:, s : s + chunk], past_key_values=cache, use_cache=True)
+    return cache
+
+
+def _kv(layer):
+    return layer.materialize() if hasattr(layer, "materialize") else (layer.keys, layer.values)
+
+
+LOSSLESS = {
+    "dynamic": lambda cfg: DynamicCache(config=cfg),
+    "int8": lambda cfg: UniformQuantCache(config=cfg, dtype="int8"),
+    "int4": lambda cfg: UniformQuantCache(config=cfg, dtype="int4"),
+    "fp8": lambda cfg: UniformQuantCache(config=cfg, dtype="fp8"),
+    "tiered": lambda cfg: TieredQuantCache(config=cfg, tail_length=16, warm_length=64),
+    "kivi": lambda cfg: KIVICache(config=cfg, residual_length=32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSLESS))
+def test_lossless_round_trip_is_bit_exact(tiny, name):
+    model, cfg, ids = tiny
+    cache = _fill(model, LOSSLESS[name](cfg), ids)
+    blob = codec.encode(cache, config=cfg, mode="lossless")
+    back = codec.decode(blob, config=cfg)
+    assert type(back) is type(cache) and back.get_seq_length() == TOKENS
+    for a, b in zip(cache.layers, back.layers):
+        if hasattr(a, "store"):
+            assert a.store.keys() == b.store.keys()
+            for k in a.store:
+                assert a.store[k].dtype == b.store[k].dtype and torch.equal(a.store[k], b.store[k]), k
+            assert a.cumulative_length == b.cumulative_length
+        ka, va = _kv(a)
+        kb, vb = _kv(b)
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+    # the rebuilt cache continues: one more forward gives the logits the original gives
+    nxt = torch.randint(0, 128, (2, 5), generator=torch.Generator().manual_seed(2))
+    with torch.inference_mode():
+        la = model(nxt, past_key_values=copy.deepcopy(cache)).logits
+        lb = model(nxt, past_key_values=back).logits
+    assert torch.equal(la, lb)
+
+
+def test_lossless_codes_shrink_below_the_cache_bytes(tiny):
+    model, cfg, ids = tiny
+    cache = _fill(model, UniformQuantCache(config=cfg, dtype="int4"), ids)
+    blob = codec.encode(cache, config=cfg, mode="lossless")
+    assert len(blob) < cache.memory_stats()["bytes"]
+
+
+LOSSY = {
+    **LOSSLESS,
+    "cpac": lambda cfg: CPACCache(config=cfg),
+    "h2o-no-eviction": lambda cfg: H2OCache(config=cfg, budget=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOSSY))
+def test_lossy_round_trip_error_is_bounded(tiny, name):
+    model, cfg, ids = tiny
+    attn = "hf_kvcache" if name in ("cpac", "h2o-no-eviction") else "sdpa"
+    cache = _fill(model, LOSSY[name](cfg), ids, attn=attn)
+    blob = codec.encode(cache, config=cfg, bins=32, chunk_size=16, step_from="values")
+    back = codec.decode(blob, config=cfg)
+    assert isinstance(back, DynamicCache) and back.get_seq_length() == TOKENS
+    for i, (a, b) in enumerate(zip(cache.layers, back.layers)):
+        for x, y in zip(_kv(a), _kv(b)):
+            assert x.shape == y.shape
+            x, y = x.float(), y.float()
+            # bound: a delta-coded element is within step / 2 (deltas are taken to the dequantized anchor, so the
+            # anchor's error does not carry over), an anchor within half an int8 step of its absmax / 127;
+            # step = 4 * std(channel) / bins
+            std = x.permute(1, 3, 0, 2).reshape(x.shape[1] * x.shape[3], -1).std(dim=1, correction=0)
+            step = (4 * std / 32).view(1, x.shape[1], 1, x.shape[3])
+            anchor_err = x[:, :, ::16].abs().amax(-1, keepdim=True) / 127 / 2
+            bound = step / 2 * 1.01 + anchor_err.repeat_interleave(16, dim=2)[:, :, : x.shape[2]] + 1e-3 * step
+            assert ((x - y).abs() <= bound).all(), (name, i)
+            rel = ((x - y).norm() / x.norm()).item()
+            # uniform quantization error is step / sqrt(12) = std / (8 sqrt(12)) = 0.036 std at bins=32: at most
+            # that relative to the norm (less where channels have a mean); measured 0.005-0.035 here
+            assert rel < 0.037, (name, i, rel)
+
+
+def test_lossy_more_bins_less_error_more_bytes(tiny):
+    model, cfg, ids = tiny
+    cache = _fill(model, DynamicCache(config=cfg), ids)
+    k0 = cache.layers[1].keys
+    sizes, errs = [], []
+    for bins in (8, 32, 128):
+        blob = codec.encode(cache, config=cfg, bins=bins)
+        k1 = codec.decode(blob, config=cfg).layers[1].keys
+        sizes.append(len(blob))
+        errs.append((k1 - k0).abs().max().item())
+    assert sizes[0] < sizes[1] < sizes[2]
+    assert errs[0] > errs[1] > errs[2]
+
+
+def test_lossy_bins_follow_depth(tiny):
+    model, cfg, ids = tiny
+    cache = _fill(model, DynamicCache(config=cfg), ids)
+    header = codec.inspect(codec.encode(cache, config=cfg, bins=(48, 24, 12)))
+    assert [layer["bins"] for layer in header["layers"]] == [48, 24, 12]
+    assert header["tokens"] == TOKENS and header["fingerprint"]["layers"] == 3
+
+
+def test_evicting_cache_is_refused(tiny):
+    model, cfg, ids = tiny
+    cache = _fill(model, H2OCache(config=cfg, budget=0.5), ids, attn="hf_kvcache", chunk=50)
+    with pytest.raises(ValueError, match="evicted"):
+        codec.encode(cache, config=cfg)
+    with pytest.raises(ValueError, match="lossless mode supports"):
+        codec.encode(cache, config=cfg, mode="lossless")
+
+
+def test_bad_arguments(tiny):
+    model, cfg, ids = tiny
+    cache = _fill(model, DynamicCache(config=cfg), ids[:, :40])
+    with pytest.raises(ValueError, match="mode"):
+        codec.encode(cache, config=cfg, mode="zip")
+    with pytest.raises(ValueError, match="config"):
+        codec.encode(cache, config=None)
+    with pytest.raises(ValueError, match="bins"):
+        codec.encode(cache, config=cfg, bins=1)
+    with pytest.raises(ValueError, match="empty"):
+        codec.encode(DynamicCache(config=cfg), config=cfg)
+    with pytest.raises(ValueError, match="no options"):
+        codec.encode(cache, config=cfg, mode="lossless", bins=8)
+
+
+@pytest.fixture(scope="module")
+def blob(tiny):
+    model, cfg, ids = tiny
+    cache = _fill(model, TieredQuantCache(config=cfg, tail_length=16, warm_length=64), ids[:, :120])
+    return codec.encode(cache, config=cfg, mode="lossless")
+
+
+def test_corrupt_blobs_raise_saying_which(tiny, blob):
+    _, cfg, _ = tiny
+    codec.decode(blob, config=cfg)  # the good one decodes
+    with pytest.raises(ValueError, match="bad magic"):
+        codec.decode(b"GARBAGE!!" + blob[9:], config=cfg)
+    with pytest.raises(ValueError, match="truncated"):
+        codec.decode(blob[:-10], config=cfg)
+    with pytest.raises(ValueError, match="truncated"):
+        codec.decode(blob[:5], config=cfg)
+    with pytest.raises(ValueError, match="trailing"):
+        codec.decode(blob + b"\0", config=cfg)
+    wrong_version = MAGIC + struct.pack("<H", 99) + blob[len(MAGIC) + 2 :]
+    with pytest.raises(ValueError, match="version 99"):
+        codec.decode(wrong_version, config=cfg)
+    flipped = bytearray(blob)
+    flipped[-3] ^= 0x40  # a payload byte
+    with pytest.raises(ValueError, match="checksum mismatch in section"):
+        codec.decode(bytes(flipped), config=cfg)
+    head = bytearray(blob)
+    head[len(MAGIC) + 12] ^= 0x01  # a header byte
+    with pytest.raises(ValueError, match="header checksum"):
+        codec.decode(bytes(head), config=cfg)
+    with pytest.raises(ValueError, match="must be bytes"):
+        codec.decode("text", config=cfg)
+
+
+def test_wrong_model_is_refused(tiny, blob):
+    _, cfg, _ = tiny
+    other = copy.deepcopy(cfg)
+    other.num_key_value_heads = 4
+    with pytest.raises(ValueError, match="wrong model.*kv_heads"):
+        codec.decode(blob, config=other)
+    rope = copy.deepcopy(cfg)
+    rope.rope_parameters = {**cfg.rope_parameters, "rope_theta": 1234.0}
+    with pytest.raises(ValueError, match="wrong model.*rope"):
+        codec.decode(blob, config=rope)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_tokens_equal_after_lossless_round_trip(smol):
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = tok("Call me Ishmael. Some years ago, never mind how long precisely, having little or no money in my "
+              "purse, and nothing particular to interest me on shore, I thought I would sail about a little and see "
+              "the watery part of the world. " * 3, return_tensors="pt").input_ids
+    cache = TieredQuantCache(config=model.config, tail_length=16, warm_length=32, group_size=16,
+                             archive_group_size=32)
+    with torch.inference_mode():
+        model(ids[:, :-1], past_key_values=cache)
+    blob = codec.encode(cache, config=model.config, mode="lossless")
+    assert len(blob) < cache.memory_stats()["bytes"]
+    back = codec.decode(blob, config=model.config)
+    a = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
+    b = model.generate(ids, past_key_values=back, max_new_tokens=12, do_sample=False)
+    assert a[0, ids.shape[1]:].tolist() == b[0, ids.shape[1]:].tolist()
