@@ -188,20 +188,21 @@ def visible_keys(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
 def _with_key_mask(
     mask: torch.Tensor | None, key_mask: torch.Tensor, heads: int, q_len: int, is_causal: bool
 ) -> torch.Tensor:
-    """Combine the model's mask (None, bool or additive, `[b|1, 1|heads, q, kv]`) with a layer's per-KV-head key mask
-    `[batch, kv_heads, kv]` (heads holding different slots, `head_budgets`): boolean `[batch, heads, q, kv]`."""
+    """The mask of a layer whose KV heads hold different slots (`head_budgets`): boolean `[batch, heads, q, kv]`.
+
+    `key_mask [batch, kv_heads, kv]` says which keys each head holds (False for empty slots and padding); the model's
+    mask (None, bool or additive, `[b|1, 1|heads, q, kv']`, built for another layer's width) is read only for the new
+    tokens, its last `q_len` columns (causality and padding among them): every held slot precedes every query."""
     b, kv_heads, kv = key_mask.shape
     per_head = key_mask.repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
+    dev = key_mask.device
     if mask is None:
-        if is_causal and q_len > 1:  # the new tokens see each other causally, and every held slot
-            base = torch.ones(q_len, kv, dtype=torch.bool, device=key_mask.device).tril(kv - q_len)[None, None]
-        else:
-            base = torch.ones(1, 1, 1, kv, dtype=torch.bool, device=key_mask.device)
-    elif mask.dtype == torch.bool:
-        base = mask
+        new = torch.ones(q_len, q_len, dtype=torch.bool, device=dev)
+        new = (new.tril() if is_causal and q_len > 1 else new)[None, None]
     else:
-        base = mask > torch.finfo(mask.dtype).min / 2
-    return base & per_head
+        new = (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)[..., -q_len:]
+    held = torch.ones(*new.shape[:-1], kv - q_len, dtype=torch.bool, device=dev)
+    return torch.cat([held, new], dim=-1) & per_head
 
 
 def _prepare(module, query, key, value, attention_mask, dropout, scaling, is_causal) -> AttentionCall:
@@ -273,12 +274,12 @@ def hf_kvcache_attention(
             break
     else:  # pragma: no cover - the blockwise kernel supports everything
         raise RuntimeError("no hf_kvcache attention kernel supports this call")
+    window = int(getattr(call.layer, "query_window", 0) or 0)
+    if window > 0:  # the last queries: policies that score by a recent window, layers calibrating their recipe
+        call.layer.observe_queries(query[:, :, -window:], call.scaling)
     if call.want_mass:
         if mass is None:
             raise RuntimeError(f"kernel {kernel.name!r} was asked for the attention mass and returned none")
-        window = int(getattr(call.layer, "query_window", 0) or 0)
-        if window > 0:  # the last queries, for policies that score by the attention of a recent window
-            call.layer.observe_queries(query[:, :, -window:], call.scaling)
         call.layer.observe_visible_keys(visible_keys(call.mask, query.shape[0]))
         call.layer.observe_attention(mass)
     return out, None

@@ -369,6 +369,7 @@ def test_key_mask_masks_empty_slots_per_head():
     held[0, 1, :3] = False  # row 0, KV head 1 holds 1 slot; head 0 holds all 4
     layer = _Recorder()
     layer.key_mask = lambda: held
+    layer.mask_from_end = True  # as H2O layers
     setattr(k, LAYER_ATTR, layer)
     mask = sdpa_mask(2, 3, 7, q_offset=4, allow_is_causal_skip=False)
     out, _ = attn.hf_kvcache_attention(_Module(), q, k, v, mask)
@@ -380,6 +381,11 @@ def test_key_mask_masks_empty_slots_per_head():
             ref[row, :, h] = torch.softmax((q[row, h] @ k[row, h // 2, keys].T) * D**-0.5 + (~m) * -1e9, -1) @ v[row, h // 2, keys]
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
     assert layer.mass[0, 1, :3].abs().sum() == 0  # empty slots get no attention
+    # a mask built for a layer holding fewer (or more) slots: only its new-token columns are read
+    for width in (5, 9):
+        other = sdpa_mask(2, 3, width, q_offset=width - 3, allow_is_causal_skip=False)
+        out2, _ = attn.hf_kvcache_attention(_Module(), q, k, v, other)
+        torch.testing.assert_close(out2, ref, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("policy", ["tova", "snapkv", "h2o"])
