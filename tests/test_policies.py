@@ -388,6 +388,24 @@ def test_key_mask_masks_empty_slots_per_head():
         torch.testing.assert_close(out2, ref, atol=1e-5, rtol=0)
 
 
+def test_head_budgets_with_quant_bits_and_pyramid():
+    cache = H2OCache(config=tiny_config(), budget=4, policy="tova", head_budgets=True, quant_bits=4, pyramid=0.5)
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(B, H, 10, D, generator=g)
+    q = torch.zeros(B, H * G, 10, D)
+    q[:, :G, -1] = k[:, 0, -1] * 30  # KV head 0: its query heads attend one token; head 1's see a spread
+    feed(cache, k, k, q=q)
+    layer = cache.layers[0]
+    assert layer.counts.sum(-1).tolist() == [2 * 6] * B and "key_codes" in layer.store
+    assert layer.store["key_codes"].dim() == 2  # flat [kept, packed]
+    assert cache.layers[1].counts.sum(-1).tolist() == [2 * 2] * B  # pyramid: 6 and 2 tokens per head on average
+    layer._expand()
+    keys, _ = layer.materialize()
+    held = layer.store["positions"] >= 0
+    ref = k.gather(2, layer.store["positions"].clamp(min=0).long().unsqueeze(-1).expand(-1, -1, -1, D))
+    assert (keys - ref)[held].abs().max() < 0.5
+
+
 @pytest.mark.parametrize("policy", ["tova", "snapkv", "h2o"])
 def test_head_budgets_ragged_heads_stored_compactly(tiny_model, policy):
     model = tiny_model
