@@ -13,7 +13,7 @@ from .caches import (
     UniformQuantCache,
     memory_stats,
 )
-from .registry import build_cache, cache_names, fixed, install, register_cache
+from .registry import attached, build_cache, cache_names, fixed, install, register_cache
 from .attention import register as _register_attention
 from .fused import register as _register_fused_kernel
 
@@ -40,6 +40,7 @@ __all__ = [
     "TieredQuantCache",
     "KIVICache",
     "memory_stats",
+    "attached",
     "build_cache",
     "cache_names",
     "register_cache",

@@ -8,6 +8,7 @@ every unknown one, goes through transformers untouched (unknown names still rais
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 from dataclasses import dataclass
@@ -92,6 +93,21 @@ def _attention_for(model, cache) -> None:
     if reads_fused:
         cache.bind(model)
     model._hf_kvcache_lease = _Lease(before, cache)
+
+
+@contextlib.contextmanager
+def attached(model, cache):
+    """Run `model` with `cache` as `generate` does: the attention the cache needs, the cache bound to the fused
+    attention where it reads codes in place, and the model handed back as it was on exit.
+
+        with hf_kvcache.attached(model, cache):
+            model(ids, past_key_values=cache)
+    """
+    _attention_for(model, cache)
+    try:
+        yield cache
+    finally:
+        _release(model)
 
 
 def _release(model) -> None:

@@ -6,7 +6,7 @@ from transformers import LlamaConfig
 
 import hf_kvcache.caches.tiered as tiered_mod
 from hf_kvcache import KIVICache, TieredQuantCache, build_cache, memory_stats
-from hf_kvcache.caches.tiered import KIVIOptions, TieredQuantOptions
+from hf_kvcache.caches.tiered import KIVIOptions, TieredQuantLayer, TieredQuantOptions
 
 B, H, D, LAYERS = 2, 3, 64, 2
 # small tiers; one group size everywhere, no sinks, an exact (model dtype) tail: easy to count
@@ -200,7 +200,7 @@ def test_kivi_cache_has_two_tiers():
     feed(cache, [100])
     assert cache.layers[0].tier_tokens() == {"sink": 0, "archive": 64, "warm": 0, "tail": 36}
     assert cache.layers[0].store["arch_ks"].shape[2] == 64 // 16  # KIVI: one group size, 16 tokens per key group
-    assert cache.layers[0].store["arch_vs"].shape[3] == D // 16 and cache.layers[0].store["tail_k"].dtype == torch.float32
+    assert cache.layers[0].store["arch_vs"].shape[3] == D // 16 and cache.layers[0].store["tail_k"].dtype == torch.float16  # 16-bit window, as the tiered tail
     assert cache.layers[0].store["arch_kc"].shape[-1] == D // 4
     assert isinstance(build_cache("kivi", tiny_config()), KIVICache)
     assert isinstance(build_cache("tiered", tiny_config()), TieredQuantCache)
@@ -231,13 +231,16 @@ def test_low_precision_tail():
     assert cache.layers[0].materialize()[0].dtype == torch.float32
 
 
-def test_sliding_layers_stay_transformers_layers():
+def test_sliding_layers_are_tiered_and_drop_what_the_window_left():
     config = tiny_config(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     cache = TieredQuantCache(config=config, **SMALL)
-    feed(cache, [50])
-    assert type(cache.layers[0]).__name__ == "DynamicSlidingWindowLayer"
+    feed(cache, [100])
+    sliding, full = cache.layers
+    assert isinstance(sliding, TieredQuantLayer) and sliding.is_sliding and not full.is_sliding
+    assert sliding.dropped > 0 and sliding.dropped + sliding.tokens_held() == 100 == full.tokens_held()
+    assert sliding.tier_tokens()["sink"] == 0  # the first positions leave the window: no sinks kept
     stats = cache.memory_stats()
-    assert stats["bytes"] > sum(t["bytes"] for t in stats["tiers"].values()) > 0
+    assert stats["bytes"] >= sum(t["bytes"] for t in stats["tiers"].values()) > 0
 
 
 def test_without_config_layers_are_created_lazily():
@@ -251,7 +254,7 @@ def test_without_config_layers_are_created_lazily():
     [
         (dict(archive_quantizer="hqq"), r"archive_quantizer='hqq' is not valid; choose one of \['kivi'\]"),
         (dict(key_axis="head"), r"key_axis='head' is not valid; choose one of \['channel', 'token'\]"),
-        (dict(rotation="queries"), r"rotation='queries' is not valid; choose one of \['none', 'keys', 'values', 'both'\]"),
+        (dict(rotation="queries"), r"rotation='queries' is not valid; choose one of \['auto', 'none', 'keys', 'values', 'both'\]"),
         (dict(tail_dtype="int8"), r"tail_dtype='int8' is not valid; choose one of \['auto', None, 'float32'"),
         (dict(warm_bits=9), "warm_bits must be an integer in 1..8"),
         (dict(group_size=0), "group_size must be a positive integer"),

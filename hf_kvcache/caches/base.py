@@ -115,6 +115,8 @@ class CompressedLayer(DynamicLayer):
     is_croppable = True
     wants_attention_mass = False  # set by policies (H2O, CPAC) that rank tokens by the attention they receive
     fused_max_new = 64  # the fused attention serves forwards of at most this many new tokens (decode, small chunks)
+    supports_sliding = False  # the class takes `sliding_window=` and keeps only what a sliding window can see
+    sliding_window: int | None = None
 
     def __init__(self, options: CacheOptions | None = None) -> None:
         super().__init__()
@@ -210,7 +212,9 @@ class CompressedLayer(DynamicLayer):
         return self.cumulative_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.tokens_held() + query_length, 0
+        """(keys attended, position of the first one): held tokens are the newest `held` of those seen."""
+        held = self.tokens_held()
+        return held + query_length, self.cumulative_length - held
 
     def get_max_length(self) -> int:
         return -1
@@ -286,7 +290,10 @@ class CompressedLayer(DynamicLayer):
         if not self.is_initialized:
             return 0
         batch = next(iter(self.store.values())).shape[0] if self.store else 0
-        return FP16_BYTES * batch * self.num_heads * self.cumulative_length * (self.head_dim + self.value_dim)
+        tokens = self.cumulative_length
+        if self.sliding_window is not None:  # what transformers' sliding layer keeps
+            tokens = min(tokens, self.sliding_window - 1)
+        return FP16_BYTES * batch * self.num_heads * tokens * (self.head_dim + self.value_dim)
 
     # ---- input checks -------------------------------------------------------------------------------------------
     def _check_states(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -328,6 +335,8 @@ class CompressedCache(Cache):
     def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
         if layer_type == "full_attention":
             return self.layer_class(self.options)
+        if layer_type == "sliding_attention" and self.layer_class.supports_sliding:
+            return self.layer_class(self.options, sliding_window=kwargs["sliding_window"])
         if layer_type in ("sliding_attention", "chunked_attention"):
             return DynamicSlidingWindowLayer(**kwargs)
         if layer_type == "dummy":

@@ -25,6 +25,7 @@ KIVI's per-channel keys). The defaults are the measured best recipe (`python -m 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,10 +35,11 @@ from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi, quantize_kivi, slice_tokens
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
+from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
 from .base import CompressedCache, CompressedLayer, memory_stats
 
 QUANTIZERS = ("kivi",)
-ROTATIONS = ("none", "keys", "values", "both")
+ROTATIONS = ("auto", *ROTATION_CANDIDATES)
 TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
 ROTATION_DTYPES = (None, "bfloat16")
 CLIP_TARGETS = ("keys", "values", "both")
@@ -88,7 +90,13 @@ class TieredQuantOptions(CacheOptions):
     - sink_length: first tokens of the sequence kept in full precision (attention sinks)
     - archive_quantizer: "kivi"
     - key_axis: "channel" (KIVI) or "token" (ablation: keys quantized per token like values)
-    - rotation: randomized Hadamard rotation of the head dim before quantizing: "none", "keys", "values" or "both"
+    - rotation: randomized Hadamard rotation of the head dim before quantizing: "none", "keys", "values", "both",
+      or "auto": each layer picks one of those from its own keys, values and queries on its first prefill
+      (`hf_kvcache.calibrate`; the queries come from the "hf_kvcache" attention, which `generate` switches to; without
+      them a layer takes "none")
+    - calibration_queries: how many of the first forward's last queries "auto" calibrates with
+    - recipes: per model layer, a recipe to use instead of calibrating (`cache.recipes()` of a calibrated cache, a
+      rotation name, or None for that layer); a JSON list
     - rotation_dtype: dtype of the un-rotation matmul at read time (None: float32; "bfloat16": faster on CPUs with
       bf16 units, its rounding is far below 2-bit quantization noise)
     - clip_ratio: shrink every group's [min, max] around its midpoint by this factor (1.0: no clipping)
@@ -108,12 +116,14 @@ class TieredQuantOptions(CacheOptions):
     sink_length: int = 4
     archive_quantizer: str = "kivi"
     key_axis: str = "channel"
-    rotation: str = "both"
+    rotation: str = "auto"
     rotation_dtype: str | None = "bfloat16"
     clip_ratio: float = 1.0
     clip_search: bool = True
     clip_on: str = "values"
     tail_dtype: str | None = "auto"
+    calibration_queries: int = 64
+    recipes: list | None = None
 
     def validate(self) -> None:
         _check_nonneg_int("tail_length", self.tail_length)
@@ -123,6 +133,13 @@ class TieredQuantOptions(CacheOptions):
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
+        check_positive_int("calibration_queries", self.calibration_queries)
+        if self.recipes is not None:
+            if not isinstance(self.recipes, list):
+                raise ValueError(f"recipes must be a list with one entry per model layer, got {type(self.recipes).__name__}")
+            for r in self.recipes:
+                if r is not None:
+                    LayerRecipe.from_dict(r)
         if self.warm_length % self.group_size:
             raise ValueError(
                 f"warm_length={self.warm_length} must be a multiple of group_size={self.group_size} "
@@ -191,9 +208,20 @@ class TieredQuantLayer(CompressedLayer):
 
     options: TieredQuantOptions
 
-    def __init__(self, options: TieredQuantOptions | None = None) -> None:
+    def __init__(self, options: TieredQuantOptions | None = None, sliding_window: int | None = None) -> None:
         super().__init__(options if options is not None else TieredQuantOptions())
         self.plan: TieredQuantOptions = self._plan()
+        self.recipe: LayerRecipe | None = None  # given, or chosen by calibration (rotation="auto")
+        self.calibrating = False
+        self.query_window = 0
+        # a sliding-window layer: archive groups no future query can see are dropped, and no sinks are kept (the
+        # first positions leave the window); `dropped` counts the positions before the first one held
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.dropped = 0
+        if self.is_sliding:
+            check_positive_int("sliding_window", sliding_window)
+            self.plan = dataclasses.replace(self.plan, sink_length=0)
 
     def _plan(self) -> TieredQuantOptions:
         """The tiered options this layer runs with (KIVI maps its own options onto them)."""
@@ -212,23 +240,71 @@ class TieredQuantLayer(CompressedLayer):
             if p.key_axis == "token" and head_dim % kg:
                 raise ValueError(f"per-token key groups of {kg} channels must divide head_dim={head_dim}")
             self.specs[tier] = _TierSpec(bits, kg, vg)
-        rot_k = p.rotation in ("keys", "both")
-        rot_v = p.rotation in ("values", "both")
-        for flag, dim in ((rot_k, head_dim), (rot_v, value_dim)):
-            if flag and not is_power_of_two(dim):
-                raise ValueError(f"rotation={p.rotation!r} needs a power-of-two head_dim, got {dim}")
+        if p.rotation not in ("auto", "none"):
+            for flag, dim in ((p.rotation in ("keys", "both"), head_dim), (p.rotation in ("values", "both"), value_dim)):
+                if flag and not is_power_of_two(dim):
+                    raise ValueError(f"rotation={p.rotation!r} needs a power-of-two head_dim, got {dim}")
         super().lazy_initialization(key_states, value_states)
         if p.tail_dtype == "auto":
             self.tail_dtype = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
         else:
             self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
-        device = key_states.device
-        self.rot_k = rotation_matrix(head_dim, seed=0, device=device) if rot_k else None
-        self.rot_v = rotation_matrix(value_dim, seed=1, device=device) if rot_v else None
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
-        # the transposes used to un-rotate, once, in the dtype of that matmul
-        self.unrot_k = unrotation_matrix(head_dim, 0, self.rot_dtype, device) if rot_k else None
-        self.unrot_v = unrotation_matrix(value_dim, 1, self.rot_dtype, device) if rot_v else None
+        if self.recipe is None and p.rotation != "auto":
+            self.recipe = LayerRecipe(p.rotation)
+        self.calibrating = self.recipe is None and len(self._rotation_candidates()) > 1
+        if self.recipe is None and not self.calibrating:
+            self.recipe = LayerRecipe("none")
+        self.query_window = p.calibration_queries if self.calibrating else 0
+        self._set_rotation(self.recipe.rotation if self.recipe is not None else "none")
+
+    def _rotation_candidates(self) -> tuple[str, ...]:
+        """The rotations this layer's head dims allow (a Hadamard rotation needs a power of two)."""
+        ok_k, ok_v = is_power_of_two(self.head_dim), is_power_of_two(self.value_dim)
+        return tuple(c for c in ROTATION_CANDIDATES
+                     if (ok_k or c not in ("keys", "both")) and (ok_v or c not in ("values", "both")))
+
+    def _set_rotation(self, rotation: str) -> None:
+        """The rotation matrices (shared by every layer, see `quant.rotation`) and their transposes, used to un-rotate,
+        in the dtype of that matmul."""
+        rot_k, rot_v = rotation in ("keys", "both"), rotation in ("values", "both")
+        device = self.device
+        self.rot_k = rotation_matrix(self.head_dim, seed=0, device=device) if rot_k else None
+        self.rot_v = rotation_matrix(self.value_dim, seed=1, device=device) if rot_v else None
+        self.unrot_k = unrotation_matrix(self.head_dim, 0, self.rot_dtype, device) if rot_k else None
+        self.unrot_v = unrotation_matrix(self.value_dim, 1, self.rot_dtype, device) if rot_v else None
+
+    # ---- calibration ("auto" rotation) ---------------------------------------------------------------------------
+    def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
+        """The last queries of a forward, `[batch, heads, <= calibration_queries, head_dim]` (post-RoPE), from the
+        "hf_kvcache" attention while this layer calibrates."""
+        if self.calibrating:
+            self._calib_queries, self._calib_scaling = queries.detach(), float(scaling)
+
+    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Pick the rotation from `keys`/`values` (the held positions `[0, T)` the stored queries are the last of)."""
+        queries = getattr(self, "_calib_queries", None)
+        if queries is None or keys.shape[2] <= queries.shape[2] or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
+            self.recipe = LayerRecipe("none", {}, "no-queries")
+        else:
+            self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
+                                        self._rotation_candidates())
+        self._set_rotation(self.recipe.rotation)
+        self.calibrating, self.query_window, self._calib_queries = False, 0, None
+
+    def _roundtrip(self, keys: torch.Tensor, values: torch.Tensor, rotation: str):
+        """`keys`/`values` of positions `[0, T)` as the archive would return them under `rotation`: everything but
+        the last `tail_length` (in whole archive groups) quantized at `archive_bits`, sinks and the rest exact."""
+        self._set_rotation(rotation)
+        g = self.plan.archive_group
+        m = (keys.shape[2] - self.plan.tail_length) // g * g
+        k_out, v_out = keys.float().clone(), values.float().clone()
+        if m > 0:
+            qk, qv = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), "arch")
+            k_out[:, :, :m], v_out[:, :, :m] = self._dequantize(qk, qv)
+            n_sink = min(self.plan.sink_length, m)
+            k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
+        return k_out, v_out
 
     def _qargs(self, tier: str) -> tuple[dict, dict]:
         p, spec = self.plan, self.specs[tier]
@@ -239,6 +315,14 @@ class TieredQuantLayer(CompressedLayer):
             dict(group_size=spec.key_group, axis=p.key_axis, bits=spec.bits, **k_clip),
             dict(group_size=spec.value_group, axis="token", bits=spec.bits, **v_clip),
         )
+
+    supports_sliding = True
+
+    def reset(self) -> None:
+        """Forget the held tokens; a recipe chosen by calibration stays (it belongs to the model, not the text)."""
+        super().reset()
+        self.dropped = 0
+        self._calib_waited, self._calib_queries = False, None
 
     # ---- tier bookkeeping ---------------------------------------------------------------------------------------
     def _count(self, name: str) -> int:
@@ -347,16 +431,25 @@ class TieredQuantLayer(CompressedLayer):
             tail_k, tail_v = key_states.contiguous(), value_states.contiguous()
         unit = p.group_size if p.warm_length else p.archive_group
         excess = tail_k.shape[2] - p.tail_length
+        if excess >= unit and self.calibrating:
+            new = key_states.shape[2]
+            if getattr(self, "_calib_queries", None) is None and not getattr(self, "_calib_waited", False):
+                # the first forward's queries reach the layer after this update: quantize on the next one
+                self._calib_waited = True
+                self._set_plain("tail", tail_k, tail_v)
+                return
+            self._calibrate(tail_k[:, :, : tail_k.shape[2] - new], tail_v[:, :, : tail_v.shape[2] - new])
         if excess >= unit:
             m = excess // unit * unit
             self._graduate(tail_k[:, :, :m], tail_v[:, :, :m])
             tail_k, tail_v = tail_k[:, :, m:].clone(), tail_v[:, :, m:].clone()
         self._set_plain("tail", tail_k, tail_v)
+        self._drop_outside_window()
 
     def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""
         p = self.plan
-        start = self._count("arch_kc") + self._count("warm_kc")
+        start = self.dropped + self._count("arch_kc") + self._count("warm_kc")
         keys, values = self._mask_outside(keys, start), self._mask_outside(values, start)
         if p.warm_length == 0:
             self._append_tier("arch", *self._quantize(keys, values, "arch"))
@@ -377,6 +470,19 @@ class TieredQuantLayer(CompressedLayer):
         rk, rv = self._dequantize(*old, rotated=True)
         ka, va = self._qargs("arch")
         self._append_tier("arch", quantize_kivi(rk, **ka), quantize_kivi(rv, **va))
+
+    def _drop_outside_window(self) -> None:
+        """Sliding layers: drop the archive's oldest whole groups that no later query can attend (a query at
+        position P sees keys after P - sliding_window)."""
+        if not self.is_sliding or "arch_kc" not in self.store:
+            return
+        g = self.plan.archive_group
+        first_visible = self.cumulative_length - self.sliding_window + 1
+        m = min(self._count("arch_kc"), max(0, first_visible - self.dropped)) // g * g
+        if m:
+            k, v = self._get_tier("arch")
+            self._set_tier("arch", slice_tokens(k, m), slice_tokens(v, m))
+            self.dropped += m
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def _dequantize_tiers_into(self, out_k: torch.Tensor, out_v: torch.Tensor) -> int:
@@ -513,8 +619,8 @@ class KIVILayer(TieredQuantLayer):
 
     options: KIVIOptions
 
-    def __init__(self, options: KIVIOptions | None = None) -> None:
-        super().__init__(options if options is not None else KIVIOptions())
+    def __init__(self, options: KIVIOptions | None = None, sliding_window: int | None = None) -> None:
+        super().__init__(options if options is not None else KIVIOptions(), sliding_window)
 
     def _plan(self) -> TieredQuantOptions:
         return self.options.as_tiered()
@@ -526,6 +632,23 @@ class TieredQuantCache(CompressedCache):
     options_class = TieredQuantOptions
     layer_class = TieredQuantLayer
     reads_fused = True  # generate binds it to the model and runs the fused attention over its codes
+
+    def __init__(self, config=None, **options: Any) -> None:
+        super().__init__(config, **options)
+        recipes = getattr(self.options, "recipes", None)
+        if recipes is not None:
+            if len(recipes) != len(self.layers):
+                raise ValueError(f"recipes has {len(recipes)} entries, the model has {len(self.layers)} layers; pass "
+                                 "the list cache.recipes() returned for this model")
+            for layer, r in zip(self.layers, recipes):
+                if r is not None and isinstance(layer, TieredQuantLayer):
+                    layer.recipe = LayerRecipe.from_dict(r)
+
+    def recipes(self) -> list[dict | None]:
+        """Per model layer, the recipe it runs with (None: not chosen yet, or not a tiered layer): JSON-ready, and
+        what `TieredQuantCache(config, recipes=...)` takes to skip calibration."""
+        return [layer.recipe.to_dict() if isinstance(layer, TieredQuantLayer) and layer.recipe else None
+                for layer in self.layers]
 
     def memory_stats(self) -> dict[str, Any]:
         """`memory_stats` plus `tiers`: bytes (summed over layers) and positions served (per layer) of each tier.

@@ -1,0 +1,81 @@
+"""Per-layer recipe calibration (rotation="auto"): choice by the attention error of the layer's own queries."""
+
+import json
+
+import pytest
+import torch
+
+import hf_kvcache
+from hf_kvcache import TieredQuantCache
+from hf_kvcache.calibrate import LayerRecipe, attention_error, choose_recipe
+from hf_kvcache.eval import load_tokens
+
+
+def test_attention_error_is_zero_for_exact_and_grows_with_noise():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 4, 8, 16, generator=g), torch.randn(1, 2, 40, 16, generator=g),
+               torch.randn(1, 2, 40, 16, generator=g))
+    assert attention_error(q, k, v, k, v, 0.25) == 0.0
+    small = attention_error(q, k, v, k + 0.01 * torch.randn_like(k), v, 0.25)
+    large = attention_error(q, k, v, k + 0.5 * torch.randn_like(k), v, 0.25)
+    assert 0 < small < large
+
+
+def test_choose_recipe_takes_the_smallest_attention_error():
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 1, 32, 8, generator=g),
+               torch.randn(1, 1, 32, 8, generator=g))
+    noise = {"none": 0.3, "keys": 0.1, "values": 0.2, "both": 0.4}
+    eps = torch.randn(k.shape, generator=g)  # the same noise pattern, scaled per candidate
+    recipe = choose_recipe(q, k, v, 0.3, lambda k_, v_, c: (k_ + noise[c] * eps, v_))
+    assert recipe.rotation == "keys" and recipe.source == "queries"
+    assert min(recipe.errors, key=recipe.errors.get) == "keys" and set(recipe.errors) == set(noise)
+
+
+def test_recipe_json_and_errors():
+    r = LayerRecipe("both", {"none": 0.2}, "queries")
+    assert LayerRecipe.from_dict(json.loads(json.dumps(r.to_dict()))) == r
+    assert LayerRecipe.from_dict("keys").rotation == "keys"
+    with pytest.raises(ValueError, match="choose one of"):
+        LayerRecipe("diagonal")
+    with pytest.raises(ValueError, match="unknown recipe field"):
+        LayerRecipe.from_dict({"rotation": "none", "bits": 3})
+    with pytest.raises(ValueError, match="one entry per model layer"):
+        TieredQuantCache(recipes="none")
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_generate_calibrates_every_layer_from_its_queries(smol, moby_text):
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, moby_text, 5000, 300)
+    out = model.generate(ids, cache_implementation="tiered", max_new_tokens=4, do_sample=False,
+                         return_dict_in_generate=True)
+    cache = out.past_key_values
+    recipes = cache.recipes()
+    assert len(recipes) == model.config.num_hidden_layers
+    for r in recipes:
+        assert r["source"] == "queries" and set(r["errors"]) == {"none", "keys", "values", "both"}
+        assert r["errors"][r["rotation"]] == pytest.approx(min(r["errors"].values()), abs=1e-6)
+    assert not any(layer.calibrating for layer in cache.layers)
+    # a saved calibration is reused as is: no calibration, same rotations
+    again = TieredQuantCache(config=model.config, recipes=json.loads(json.dumps(recipes)))
+    model(ids, past_key_values=again)
+    assert [r["rotation"] for r in again.recipes()] == [r["rotation"] for r in recipes]
+    assert all(r["source"] == "queries" for r in again.recipes())
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_without_queries_a_layer_takes_no_rotation(smol, moby_text):
+    """Plain forwards with the sdpa attention report no queries: after one update a layer stops waiting."""
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, moby_text, 5000, 300)
+    cache = TieredQuantCache(config=model.config)
+    model(ids[:, :280], past_key_values=cache)
+    assert cache.layers[0].calibrating and cache.layers[0].tier_tokens()["warm"] == 0  # waiting one update
+    model(ids[:, 280:], past_key_values=cache)
+    assert all(r == {"rotation": "none", "errors": {}, "source": "no-queries"} for r in cache.recipes())
+    assert cache.layers[0].tier_tokens()["warm"] > 0
