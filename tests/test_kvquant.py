@@ -145,6 +145,8 @@ def test_sensitivity_weights():
     assert w.shape == (1, 2, 32, 1) and torch.allclose(w.mean(2), torch.full((1, 2, 1), 1.1))
     cb = kvq.fit_codebook(k, 2, "token", None, weights=w)
     assert cb.levels.shape == (2, 16, 4)
+    with pytest.raises(ValueError, match="broadcast"):
+        kvq.fit_codebook(k, 2, "token", None, weights=w[:, :, :5])
 
 
 def test_bad_input_raises():

@@ -19,7 +19,11 @@ everything is per KV head). The pipeline for one tensor:
    `axis="token"` (values): per token, per group of `group_size` channels, `[..., tokens, dim // gs]`.
 4. **nuq**: `u` is rounded to the nearest of `2**bits` levels of a `NUQCodebook` (levels `[kv_heads, dim or 1,
    2**bits]` fp16, fitted by `fit_codebook` with 1-D k-means / Lloyd iterations on normalized calibration data, per
-   KV head and channel, optionally weighted by a sensitivity), codes packed along `dim` with `quant.packing`.
+   KV head and channel, the outer levels pinned at -1/+1, optionally weighted by a sensitivity such as
+   `attention_sensitivity`), codes packed along `dim` with `quant.packing`.
+
+At read time the archived keys need the cos/sin of their own positions again: recompute them from the positions
+(the model's rotary embedding, or `rope_cos_sin`) rather than storing them, or count them in the bytes held.
 
 `NUQQuantized.tensors()` lists everything needed to decode, the codebook included; since one codebook serves every
 block of a layer, `data_tensors()` lists the per-block part only (count the codebook once per layer).
@@ -247,7 +251,13 @@ def fit_codebook(
     u, mask, *_ = _normalize(x, axis, gs, outlier_count(x.shape[-1], outlier_frac))
     w = mask.float()
     if weights is not None:
-        w = w * weights.float().expand_as(x)
+        try:
+            w = w * weights.float().expand_as(x)
+        except RuntimeError as e:
+            raise ValueError(
+                f"weights {tuple(weights.shape)} must broadcast to calib_x {tuple(x.shape)}, e.g. [batch, kv_heads, "
+                "tokens, 1] from attention_sensitivity"
+            ) from e
     b, h, t, d = x.shape
     if per_channel:
         data, wr = u.permute(1, 3, 0, 2).reshape(h * d, b * t), w.permute(1, 3, 0, 2).reshape(h * d, b * t)
