@@ -141,8 +141,11 @@ def test_pre_rope_keys_round_trip_through_quantization():
 def test_sensitivity_weights():
     torch.manual_seed(0)
     q, k = torch.randn(1, 4, 32, 16), torch.randn(1, 2, 32, 16)
-    w = kvq.attention_sensitivity(q, k, 0.25)
+    w = kvq.attention_sensitivity(q, k, 0.25, power=1.0)
     assert w.shape == (1, 2, 32, 1) and torch.allclose(w.mean(2), torch.full((1, 2, 1), 1.1))
+    # token 0 gets every query's attention at the first position: the most weight, damped by the default sqrt
+    ws = kvq.attention_sensitivity(q, k, 0.25)
+    assert ws.argmax(2).eq(0).all() and ws.max() < w.max()
     cb = kvq.fit_codebook(k, 2, "token", None, weights=w)
     assert cb.levels.shape == (2, 16, 4)
     with pytest.raises(ValueError, match="broadcast"):

@@ -273,15 +273,18 @@ def _check_bits(bits: int) -> None:
 
 
 def attention_sensitivity(
-    query: torch.Tensor, key: torch.Tensor, scaling: float, floor: float = 0.1
+    query: torch.Tensor, key: torch.Tensor, scaling: float, power: float = 0.5, floor: float = 0.1
 ) -> torch.Tensor:
     """Per-token sensitivity weights `[batch, kv_heads, tokens, 1]` for `fit_codebook(weights=...)`.
 
     query `[batch, heads, tokens, dim]` and key `[batch, kv_heads, tokens, dim]` (post-RoPE, as attention sees them,
     the same tokens; GQA: heads a multiple of kv_heads) of a calibration prefill: the causal attention mass each key
-    token receives, summed over its query heads, divided by its mean, plus `floor` so no token is ignored. An error
-    on a token that gets much attention moves the output more (for keys and for values alike), which is what
-    KVQuant's Fisher-information weighting captures; this is a gradient-free stand-in for it.
+    token receives, summed over its query heads, divided by its mean, raised to `power`, plus `floor` so no token is
+    ignored. An error on a token that gets much attention moves the output more (for keys and for values alike),
+    which is what KVQuant's Fisher-information weighting captures; this is a gradient-free stand-in for it.
+    `power=0.5` (default) damps attention sinks: with the raw mass (power 1) a sink token dominates a layer's
+    codebook, which on SmolLM2-135M's layer 18 at 2 bits tripled the attention error (1.57 vs 0.42 unweighted);
+    the square root gave the best mean and max error of {none, 1, 0.5, capped at 3 or 10} on SmolLM2 and Qwen2.5.
     """
     if query.dim() != 4 or key.dim() != 4 or query.shape[2] != key.shape[2] or query.shape[1] % key.shape[1]:
         raise ValueError(
@@ -293,7 +296,7 @@ def attention_sensitivity(
     s = (query.float() @ key.float().repeat_interleave(hq // hk, 1).transpose(-1, -2)) * scaling
     s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=s.device).triu(1), float("-inf"))
     mass = torch.softmax(s, -1).reshape(b, hk, hq // hk, t, t).sum((2, 3))  # [b, hk, t]
-    return (mass / mass.mean(-1, keepdim=True) + floor).unsqueeze(-1)
+    return ((mass / mass.mean(-1, keepdim=True)).pow(power) + floor).unsqueeze(-1)
 
 
 # ------------------------------------------------------------------------------------------------------ quantization
