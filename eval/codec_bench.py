@@ -34,6 +34,7 @@ from hf_kvcache.codec.layers import set_dynamic_layer
 from .assets import load_model, load_text, load_tokens
 from .perplexity import streaming_perplexity
 
+ROWS = ("baselines", "lossy", "tiered")
 # lossy settings: label -> encode options
 LOSSY_SETTINGS = {
     "lossy hi": {"bins": (16, 12, 8), "step_from": "values"},
@@ -78,28 +79,19 @@ def format_rows(rows: list[dict]) -> str:
     head = f"{'row':<34} {'B/token':>9} {'vs fp16':>8} {'vs int8':>8} {'ppl':>8} {'delta':>8} {'enc MB/s':>9} {'dec MB/s':>9}"
     lines = [head]
     for r in rows:
-        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        f = lambda v, spec: format("-" if v is None else v, spec if v is not None else ">9")  # noqa: E731
         lines.append(
-            f"{r['label']:<34} {r['bytes_per_token']:>9.0f} {r['vs_fp16']:>7.2f}x {f(r['vs_int8'], '>7.2f'):>7}x "
+            f"{r['label']:<34} {r['bytes_per_token']:>9.0f} {r['vs_fp16']:>7.2f}x "
+            f"{'-' if r['vs_int8'] is None else format(r['vs_int8'], '.2f') + 'x':>8} "
             f"{r['ppl']:>8.3f} {r['delta_pct']:>+7.2f}% {f(r['encode_MBps'], '>9.1f')} {f(r['decode_MBps'], '>9.1f')}"
             + (f"  {r['note']}" if r["note"] else "")
         )
     return "\n".join(lines)
 
 
-@torch.inference_mode()
-def run_quality(model, tok, text: str, start: int, prefix: int, continuation: int, chunk: int,
-                settings: dict[str, dict], out=sys.stdout) -> list[dict]:
-    cfg = model.config
-    ids = load_tokens(tok, load_text(text), start, prefix + continuation)
-    pre, cont = ids[:, :prefix], ids[:, prefix:]
-    dyn = _prefill(model, pre, DynamicCache(config=cfg))
-    fp16 = _fp16_bytes(dyn)
-    base = streaming_perplexity(model, cont, copy.deepcopy(dyn), chunk_size=chunk).perplexity
-    rows = [_row("DynamicCache (reference, no trip)", fp16 * 2, prefix, fp16, None, base, base, note="fp32 in memory")]
-    print(f"reference continuation ppl {base:.3f}", file=out, flush=True)
-
-    # naive fp16 serialization: raw fp16 bytes of keys and values
+def _baselines(model, cfg, pre, cont, dyn, chunk, base, prefix, fp16, rows, out) -> int:
+    """naive fp16 (raw fp16 bytes of keys and values), int8 cache and zstd-over-int8 rows; returns the int8
+    cache's bytes."""
     t0 = time.perf_counter()
     raw = [(layer.keys.half().numpy().tobytes(), layer.values.half().numpy().tobytes()) for layer in dyn.layers]
     enc_s = time.perf_counter() - t0
@@ -129,20 +121,41 @@ def run_quality(model, tok, text: str, start: int, prefix: int, continuation: in
     enc_s = time.perf_counter() - t0
     rows.append(_row("zstd-3 over int8 cache", z, prefix, fp16, int8_bytes, ppl, base, enc_s, None))
     print(format_rows(rows[-2:]), file=out, flush=True)
+    return int8_bytes
 
-    for label, opts in settings.items():
-        t0 = time.perf_counter()
-        blob = codec.encode(dyn, config=cfg, **opts)
-        enc_s = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        back = codec.decode(blob, config=cfg)
-        dec_s = time.perf_counter() - t0
-        ppl = streaming_perplexity(model, cont, back, chunk_size=chunk).perplexity
-        note = json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()})
-        rows.append(_row(f"codec {label}", len(blob), prefix, fp16, int8_bytes, ppl, base, enc_s, dec_s, note))
-        print(format_rows(rows[-1:]), file=out, flush=True)
 
-    tiered = _prefill(model, pre, TieredQuantCache(config=cfg), desc="tiered prefill")
+@torch.inference_mode()
+def run_quality(model, tok, text: str, start: int, prefix: int, continuation: int, chunk: int,
+                settings: dict[str, dict], out=sys.stdout, rows_wanted: tuple = ROWS) -> list[dict]:
+    cfg = model.config
+    ids = load_tokens(tok, load_text(text), start, prefix + continuation)
+    pre, cont = ids[:, :prefix], ids[:, prefix:]
+    dyn = _prefill(model, pre, DynamicCache(config=cfg))
+    fp16 = _fp16_bytes(dyn)
+    base = streaming_perplexity(model, cont, copy.deepcopy(dyn), chunk_size=chunk).perplexity
+    rows = [_row("DynamicCache (reference, no trip)", fp16 * 2, prefix, fp16, None, base, base, note="fp32 in memory")]
+    print(f"reference continuation ppl {base:.3f}", file=out, flush=True)
+
+    if "baselines" not in rows_wanted:
+        int8_bytes = None
+    else:
+        int8_bytes = _baselines(model, cfg, pre, cont, dyn, chunk, base, prefix, fp16, rows, out)
+    if "lossy" in rows_wanted:
+        for label, opts in settings.items():
+            t0 = time.perf_counter()
+            blob = codec.encode(dyn, config=cfg, **opts)
+            enc_s = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            back = codec.decode(blob, config=cfg)
+            dec_s = time.perf_counter() - t0
+            ppl = streaming_perplexity(model, cont, back, chunk_size=chunk).perplexity
+            note = json.dumps({k: list(v) if isinstance(v, tuple) else v for k, v in opts.items()})
+            rows.append(_row(f"codec {label}", len(blob), prefix, fp16, int8_bytes, ppl, base, enc_s, dec_s, note))
+            print(format_rows(rows[-1:]), file=out, flush=True)
+    if "tiered" not in rows_wanted:
+        return rows
+    # rotation="both": the measured recipe (README), fixed so the row does not depend on calibration
+    tiered = _prefill(model, pre, TieredQuantCache(config=cfg, rotation="both"), desc="tiered prefill")
     tiered_bytes = tiered.memory_stats()["bytes"]
     t0 = time.perf_counter()
     blob = codec.encode(tiered, config=cfg, mode="lossless")
@@ -152,7 +165,7 @@ def run_quality(model, tok, text: str, start: int, prefix: int, continuation: in
     dec_s = time.perf_counter() - t0
     ppl_t = streaming_perplexity(model, cont, copy.deepcopy(tiered), chunk_size=chunk).perplexity
     ppl = streaming_perplexity(model, cont, back, chunk_size=chunk).perplexity
-    rows.append(_row("tiered cache (own bytes held)", tiered_bytes, prefix, fp16, int8_bytes, ppl_t, base,
+    rows.append(_row("tiered cache, rotation both (held)", tiered_bytes, prefix, fp16, int8_bytes, ppl_t, base,
                      note="continuation through the tiered cache"))
     rows.append(_row("codec lossless over tiered codes", len(blob), prefix, fp16, int8_bytes, ppl, base, enc_s,
                      dec_s, f"{100 * (1 - len(blob) / tiered_bytes):.1f} % smaller than the tiered cache"))
@@ -210,6 +223,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suffix", type=int, default=64, help="new tokens after the stored context (TTFT)")
     p.add_argument("--json", default=None, help="also write every row to this file")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--rows", nargs="*", default=list(ROWS), choices=ROWS, help="which row groups to measure")
 
 
 def _settings(specs: list[str]) -> dict[str, dict]:
@@ -233,7 +247,8 @@ def main_args(args: argparse.Namespace, out=sys.stdout) -> int:
     model.set_attn_implementation("sdpa")
     print(f"model={args.model} text={args.text} prefix={args.start}:{args.start + args.prefix} continuation="
           f"{args.continuation} chunk={args.chunk} torch threads={torch.get_num_threads()}", file=out, flush=True)
-    rows = run_quality(model, tok, args.text, args.start, args.prefix, args.continuation, args.chunk, settings, out)
+    rows = run_quality(model, tok, args.text, args.start, args.prefix, args.continuation, args.chunk, settings, out,
+                       tuple(args.rows))
     print("\n" + format_rows(rows), file=out, flush=True)
     ttft = []
     ttft_opts = next(iter(settings.values()), {})

@@ -15,6 +15,7 @@ import hf_kvcache  # noqa: F401  (registers the attention implementation)
 from hf_kvcache import codec
 from hf_kvcache.caches import CPACCache, H2OCache, KIVICache, TieredQuantCache, UniformQuantCache
 from hf_kvcache.codec.container import MAGIC
+from hf_kvcache.codec.layers import set_dynamic_layer
 
 TOKENS = 300
 
@@ -47,14 +48,18 @@ LOSSLESS = {
     "int4": lambda cfg: UniformQuantCache(config=cfg, dtype="int4"),
     "fp8": lambda cfg: UniformQuantCache(config=cfg, dtype="fp8"),
     "tiered": lambda cfg: TieredQuantCache(config=cfg, tail_length=16, warm_length=64),
+    # filled through the "hf_kvcache" attention: the fused path, and per-layer calibration where the layer has one
+    "tiered-fused": lambda cfg: TieredQuantCache(config=cfg, tail_length=16, warm_length=64),
     "kivi": lambda cfg: KIVICache(config=cfg, residual_length=32),
 }
+FUSED = ("tiered-fused", "cpac", "h2o-no-eviction")
 
 
 @pytest.mark.parametrize("name", sorted(LOSSLESS))
 def test_lossless_round_trip_is_bit_exact(tiny, name):
     model, cfg, ids = tiny
-    cache = _fill(model, LOSSLESS[name](cfg), ids)
+    cache = _fill(model, LOSSLESS[name](cfg), ids, attn="hf_kvcache" if name in FUSED else "sdpa")
+    model.set_attn_implementation("sdpa")
     blob = codec.encode(cache, config=cfg, mode="lossless")
     back = codec.decode(blob, config=cfg)
     assert type(back) is type(cache) and back.get_seq_length() == TOKENS
@@ -64,6 +69,9 @@ def test_lossless_round_trip_is_bit_exact(tiny, name):
             for k in a.store:
                 assert a.store[k].dtype == b.store[k].dtype and torch.equal(a.store[k], b.store[k]), k
             assert a.cumulative_length == b.cumulative_length
+            recipe = getattr(a, "recipe", None)
+            if recipe is not None:
+                assert b.recipe.to_dict() == recipe.to_dict()
         ka, va = _kv(a)
         kb, vb = _kv(b)
         assert torch.equal(ka, kb) and torch.equal(va, vb)
@@ -92,7 +100,7 @@ LOSSY = {
 @pytest.mark.parametrize("name", sorted(LOSSY))
 def test_lossy_round_trip_error_is_bounded(tiny, name):
     model, cfg, ids = tiny
-    attn = "hf_kvcache" if name in ("cpac", "h2o-no-eviction") else "sdpa"
+    attn = "hf_kvcache" if name in FUSED else "sdpa"
     cache = _fill(model, LOSSY[name](cfg), ids, attn=attn)
     blob = codec.encode(cache, config=cfg, bins=32, chunk_size=16, step_from="values")
     back = codec.decode(blob, config=cfg)
@@ -127,6 +135,22 @@ def test_lossy_more_bins_less_error_more_bytes(tiny):
         errs.append((k1 - k0).abs().max().item())
     assert sizes[0] < sizes[1] < sizes[2]
     assert errs[0] > errs[1] > errs[2]
+
+
+def test_lossy_outliers_are_escaped_not_clipped(tiny):
+    _, cfg, _ = tiny
+    g = torch.Generator().manual_seed(3)
+    cache = DynamicCache(config=cfg)
+    for layer in cache.layers:
+        k, v = torch.randn(1, 2, 1024, 32, generator=g), torch.randn(1, 2, 1024, 32, generator=g)
+        k[0, 1, 5, 7] = 500.0  # a delta-coded position; its channel std becomes ~16, the delta ~64 steps
+        set_dynamic_layer(layer, k, v)
+    header = codec.inspect(blob := codec.encode(cache, config=cfg, bins=8))
+    assert header["layers"][0]["k"]["escapes"] >= 1
+    back = codec.decode(blob, config=cfg)
+    for a, b in zip(cache.layers, back.layers):
+        std = a.keys.permute(1, 3, 0, 2).reshape(64, -1).std(dim=1, correction=0).view(1, 2, 1, 32)
+        assert ((a.keys - b.keys).abs() <= 4 * std / 8 / 2 * 1.01 + 1e-6).all()
 
 
 def test_lossy_bins_follow_depth(tiny):

@@ -31,7 +31,8 @@ def _check_against_config(cache: Cache, fp: dict[str, Any], dims: list[tuple[int
             "that filled this cache"
         )
     for i, (heads, kd, vd) in enumerate(dims):
-        if fp["kv_heads"] is not None and heads != fp["kv_heads"] or fp["head_dim"] is not None and kd != fp["head_dim"]:
+        if (fp["kv_heads"] is not None and heads != fp["kv_heads"]) or (fp["head_dim"] is not None
+                                                                        and kd != fp["head_dim"]):
             raise ValueError(
                 f"layer {i} holds {heads} KV heads of dim {kd}, config says {fp['kv_heads']} of dim {fp['head_dim']}: "
                 "pass the config of the model that filled this cache"

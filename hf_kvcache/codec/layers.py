@@ -76,7 +76,14 @@ def _store_state(layer: CompressedLayer) -> LayerState:
         "value_dim": layer.value_dim,
         "batch": next(iter(layer.store.values())).shape[0] if layer.store else 0,
     }
+    # every other plain attribute (flags, counters, names) the layer keeps, so that state a layer class adds later
+    # travels too; objects and tensors are rebuilt by lazy_initialization instead
+    scalars["attrs"] = {k: v for k, v in vars(layer).items() if k not in scalars and _plain(v)}
     return LayerState(scalars, {name: t.detach().cpu().contiguous() for name, t in layer.store.items()})
+
+
+def _plain(v: Any) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str))
 
 
 def _store_restore(layer: CompressedLayer, state: LayerState, device: torch.device) -> None:
@@ -88,6 +95,28 @@ def _store_restore(layer: CompressedLayer, state: LayerState, device: torch.devi
                               torch.empty(b, s["num_heads"], 0, s["value_dim"], dtype=dt, device=device))
     layer.store = {name: t.to(device) for name, t in state.tensors.items()}
     layer.cumulative_length = s["cumulative_length"]
+    for k, v in s.get("attrs", {}).items():
+        if _plain(getattr(layer, k, None)):  # never replace an object the layer built (a recipe, a rotation)
+            setattr(layer, k, v)
+
+
+def _tiered_state(layer: TieredQuantLayer) -> LayerState:
+    """The store and plain attributes, plus the per-layer recipe (the rotation chosen by calibration) where the
+    layer has one."""
+    state = _store_state(layer)
+    recipe = getattr(layer, "recipe", None)
+    if recipe is not None and hasattr(recipe, "to_dict"):
+        state.scalars["recipe"] = recipe.to_dict()
+    return state
+
+
+def _tiered_restore(layer: TieredQuantLayer, state: LayerState, device: torch.device) -> None:
+    s = state.scalars
+    if "recipe" in s:  # set before lazy_initialization, which builds the rotation from it
+        from ..calibrate import LayerRecipe
+
+        layer.recipe = LayerRecipe.from_dict(s["recipe"])
+    _store_restore(layer, state, device)
 
 
 def _dynamic_state(layer: DynamicLayer) -> LayerState:
@@ -122,8 +151,8 @@ class LayerCodec:
 LAYER_CODECS: dict[type, LayerCodec] = {
     DynamicLayer: LayerCodec("dynamic", _dynamic_state, _dynamic_restore),
     UniformQuantLayer: LayerCodec("uniform", _store_state, _store_restore),
-    TieredQuantLayer: LayerCodec("tiered", _store_state, _store_restore),
-    KIVILayer: LayerCodec("kivi", _store_state, _store_restore),
+    TieredQuantLayer: LayerCodec("tiered", _tiered_state, _tiered_restore),
+    KIVILayer: LayerCodec("kivi", _tiered_state, _tiered_restore),
 }
 
 

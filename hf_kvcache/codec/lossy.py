@@ -56,7 +56,8 @@ def split_parts(data: bytes, count: int) -> list[bytes]:
 
 @dataclass
 class LossyOptions:
-    """Options of the lossy (CacheGen) mode.
+    """Options of the lossy (CacheGen) mode. Defaults: the codec-bench row "lossy mid, chunk 32" (SmolLM2 / Moby
+    Dick, 2048 tokens: 5244 bytes per token, 2.27x smaller than the int8 cache, +0.18 % continuation perplexity).
 
     - chunk_size: tokens per chunk; the first of each is the chunk's int8 anchor
     - bins: bins across +-2 std of a channel's deltas, one value per depth band (shallow layers first); a single int
@@ -66,7 +67,7 @@ class LossyOptions:
       (each channel's values: the same absolute error for channels whose deltas are small, so they cost fewer bits)
     """
 
-    chunk_size: int = 16
+    chunk_size: int = 32
     bins: tuple[int, ...] = (12, 8, 6)
     group_channels: int = 32
     step_from: str = "values"

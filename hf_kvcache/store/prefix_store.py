@@ -268,12 +268,12 @@ class PrefixStore:
         return fut
 
     def _estimate_bytes(self, cache: Cache, tokens: int) -> int:
-        """Blob size guess for the cost model before encoding: 1/6 of the fp16 bytes for lossy (about what the
+        """Blob size guess for the cost model before encoding: 1/4 of the fp16 bytes for lossy (about what the
         defaults reach), the bytes the cache holds for lossless."""
         from ..caches.base import memory_stats
 
         stats = memory_stats(cache)
-        per_token = (stats["fp16_bytes"] / 6 if self.mode == "lossy" else stats["bytes"]) / max(stats["tokens"], 1)
+        per_token = (stats["fp16_bytes"] / 4 if self.mode == "lossy" else stats["bytes"]) / max(stats["tokens"], 1)
         return int(per_token * tokens)
 
     @staticmethod
