@@ -9,9 +9,14 @@ Importing this module registers the model with lm-eval. lm-eval's `lm_eval` scri
 the command line is this module, which registers the model, adds this package's offline tasks (`eval/tasks`) as
 `--include_path` unless one is given, and then runs lm-eval's own command line with the same arguments:
 
-    python -m hf_kvcache.eval.lm_eval --model hf-kvcache \\
-        --model_args pretrained=smollm2-135m,cache=kivi,cache_config='{"bits":2,"residual_length":16}' \\
+    python -m hf_kvcache.eval.lm_eval --model hf-kvcache --model_args pretrained=smollm2-135m,cache=tiered \\
         --tasks kvcache_pydoc_ppl,kvcache_moby_cloze --device cpu --batch_size 1
+    python -m hf_kvcache.eval.lm_eval --model hf-kvcache \\
+        --model_args '{"pretrained":"smollm2-135m","cache":"kivi","cache_config":{"bits":2,"residual_length":16}}' \\
+        --tasks kvcache_pydoc_ppl --device cpu --batch_size 1
+
+(lm-eval reads `--model_args` as one JSON object when its first value contains a brace, so a `cache_config` goes either
+in that JSON form or as a separate value: `--model_args pretrained=smollm2-135m cache=kivi 'cache_config={"bits": 2}'`.)
 
 From Python: `import hf_kvcache.eval.lm_eval` and then `lm_eval.simple_evaluate(model="hf-kvcache", ...)`, or pass an
 `HFKVCacheLM(...)` instance as `model`.
