@@ -133,6 +133,8 @@ class HFKVCacheLM(HFLM):
         self.share_prefix = share_prefix
         if isinstance(pretrained, str):
             pretrained = model_dir(pretrained)
+        if kwargs.get("device") is None:  # hf's default is "cuda" even on a machine without one
+            kwargs["device"] = "cuda" if torch.cuda.is_available() else "cpu"
         super().__init__(pretrained=pretrained, **kwargs)
         if self.backend != "causal":
             raise ValueError(f"{MODEL_NAME} supports decoder-only models (backend='causal'), got {self.backend!r}")
