@@ -10,8 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from hf_kvcache.attention import use_for_cache
-from hf_kvcache.registry import build_cache, cache_names
+from hf_kvcache.registry import attached, build_cache, cache_names
 
 from .assets import load_model, load_text, load_tokens
 from .perplexity import streaming_perplexity
@@ -123,11 +122,12 @@ def run_benchmark(
     rows = []
     for spec in specs:
         cache = spec.build(model)
-        use_for_cache(model, cache)  # caches that rank tokens by attention need the hf_kvcache attention
-        r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
-        row = {"cache": spec.label, **r.to_dict()}
-        if decode_steps:
-            row["decode_tokens_per_s"] = decode_tokens_per_s(model, cache, extra)
+        # as generate runs it: the attention the cache needs (mass, queries for calibration, fused reads)
+        with attached(model, cache):
+            r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
+            row = {"cache": spec.label, **r.to_dict()}
+            if decode_steps:
+                row["decode_tokens_per_s"] = decode_tokens_per_s(model, cache, extra)
         rows.append(row)
     base = rows[0]["perplexity"]
     for row in rows:

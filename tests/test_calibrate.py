@@ -27,9 +27,12 @@ def test_choose_recipe_takes_the_smallest_attention_error():
                torch.randn(1, 1, 32, 8, generator=g))
     noise = {"none": 0.3, "keys": 0.1, "values": 0.2, "both": 0.4}
     eps = torch.randn(k.shape, generator=g)  # the same noise pattern, scaled per candidate
-    recipe = choose_recipe(q, k, v, 0.3, lambda k_, v_, c: (k_ + noise[c] * eps, v_))
+    recipe = choose_recipe(q, k, v, 0.3, lambda k_, v_, c, tier: (k_ + noise[c] * eps, v_))
     assert recipe.rotation == "keys" and recipe.source == "queries"
     assert min(recipe.errors, key=recipe.errors.get) == "keys" and set(recipe.errors) == set(noise)
+    # a rotation has to beat "none" by the margin
+    close = {"none": 0.3, "keys": 0.29, "values": 0.35, "both": 0.4}
+    assert choose_recipe(q, k, v, 0.3, lambda k_, v_, c, tier: (k_ + close[c] * eps, v_)).rotation == "none"
 
 
 def test_recipe_json_and_errors():
@@ -49,7 +52,7 @@ def test_recipe_json_and_errors():
 def test_generate_calibrates_every_layer_from_its_queries(smol, moby_text):
     model, tok = smol
     model.set_attn_implementation("sdpa")
-    ids = load_tokens(tok, moby_text, 5000, 300)
+    ids = load_tokens(tok, moby_text, 5000, 400)  # the first prefill holds enough positions to round-trip
     out = model.generate(ids, cache_implementation="tiered", max_new_tokens=4, do_sample=False,
                          return_dict_in_generate=True)
     cache = out.past_key_values
@@ -57,7 +60,9 @@ def test_generate_calibrates_every_layer_from_its_queries(smol, moby_text):
     assert len(recipes) == model.config.num_hidden_layers
     for r in recipes:
         assert r["source"] == "queries" and set(r["errors"]) == {"none", "keys", "values", "both"}
-        assert r["errors"][r["rotation"]] == pytest.approx(min(r["errors"].values()), abs=1e-6)
+        best = min(r["errors"], key=r["errors"].get)
+        taken = best if r["errors"][best] <= 0.9 * r["errors"]["none"] else "none"  # the 10 % margin
+        assert r["rotation"] == taken
     assert not any(layer.calibrating for layer in cache.layers)
     # a saved calibration is reused as is: no calibration, same rotations
     again = TieredQuantCache(config=model.config, recipes=json.loads(json.dumps(recipes)))

@@ -272,9 +272,13 @@ class CompressedLayer(DynamicLayer):
             return
         if n > self.tokens_held():
             raise ValueError(f"cannot crop {n} tokens: this layer holds {self.tokens_held()}")
+        self._crop_newest(n)
+        self.cumulative_length -= n
+
+    def _crop_newest(self, n: int) -> None:
+        """Drop the newest `n` held tokens (1 <= n <= held; `crop` has checked). Token-aligned storage is sliced."""
         keep = self.tokens_held() - n
         self._map_store(lambda t: t[:, :, :keep])
-        self.cumulative_length -= n
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def held_tensors(self) -> list[torch.Tensor]:

@@ -639,16 +639,9 @@ class CPACLayer(CompressedLayer):
         if f"{s}_dzero" in st:
             st[f"{s}_dzero"] = st[f"{s}_dzero"][used_d]
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last `-tokens_to_remove` tokens; compressed pages that reach into them are decompressed back
-        into the tail first (they will be compressed again once old enough)."""
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
-            return
-        if n > self.tokens_held():
-            raise ValueError(f"cannot crop {n} tokens: this layer holds {self.tokens_held()}")
+    def _crop_newest(self, n: int) -> None:
+        """Compressed pages that reach into the cropped tokens are decompressed back into the tail first (they will
+        be compressed again once old enough)."""
         p = self.options.page_size
         keep = self.tokens_held() - n
         keep_pages = min(self.n_pages, keep // p)
@@ -668,7 +661,6 @@ class CPACLayer(CompressedLayer):
         pages = -(-keep // p)
         st["imp_mass"] = st["imp_mass"][:, :, :pages].clone()
         st["imp_obs"] = st["imp_obs"][:pages].clone()
-        self.cumulative_length -= n
 
     # ---- reporting ------------------------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:

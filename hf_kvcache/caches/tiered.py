@@ -44,6 +44,7 @@ TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
 ROTATION_DTYPES = (None, "bfloat16")
 CLIP_TARGETS = ("keys", "values", "both")
 TIERS = ("sink", "archive", "warm", "tail")
+CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 _FIELDS = ("kc", "ks", "kz", "vc", "vs", "vz")  # codes, scale, zero of keys and values
 
 
@@ -279,28 +280,34 @@ class TieredQuantLayer(CompressedLayer):
         """The last queries of a forward, `[batch, heads, <= calibration_queries, head_dim]` (post-RoPE), from the
         "hf_kvcache" attention while this layer calibrates."""
         if self.calibrating:
-            self._calib_queries, self._calib_scaling = queries.detach(), float(scaling)
+            q = queries.detach()
+            prev = getattr(self, "_calib_queries", None)
+            if prev is not None and prev.shape[:2] == q.shape[:2]:  # consecutive forwards: consecutive positions
+                q = torch.cat([prev, q], dim=2)[:, :, -self.plan.calibration_queries :]
+            self._calib_queries, self._calib_scaling = q, float(scaling)
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Pick the rotation from `keys`/`values` (the held positions `[0, T)` the stored queries are the last of)."""
         queries = getattr(self, "_calib_queries", None)
-        if queries is None or keys.shape[2] <= queries.shape[2] or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
+        if queries is None or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
             self.recipe = LayerRecipe("none", {}, "no-queries")
         else:
+            tiers = ("warm", "arch") if self.plan.warm_length and self.specs["warm"] != self.specs["arch"] else ("arch",)
             self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
-                                        self._rotation_candidates())
+                                        self._rotation_candidates(), tiers)
         self._set_rotation(self.recipe.rotation)
         self.calibrating, self.query_window, self._calib_queries = False, 0, None
 
-    def _roundtrip(self, keys: torch.Tensor, values: torch.Tensor, rotation: str):
-        """`keys`/`values` of positions `[0, T)` as the archive would return them under `rotation`: everything but
-        the last `tail_length` (in whole archive groups) quantized at `archive_bits`, sinks and the rest exact."""
+    def _roundtrip(self, keys: torch.Tensor, values: torch.Tensor, rotation: str, tier: str = "arch"):
+        """`keys`/`values` of positions `[0, T)` as `tier` ("warm" or "arch") would return them under `rotation`:
+        everything but the last `tail_length` (in whole archive groups) quantized at that tier's width, sinks and the
+        rest exact."""
         self._set_rotation(rotation)
         g = self.plan.archive_group
         m = (keys.shape[2] - self.plan.tail_length) // g * g
         k_out, v_out = keys.float().clone(), values.float().clone()
         if m > 0:
-            qk, qv = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), "arch")
+            qk, qv = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), tier)
             k_out[:, :, :m], v_out[:, :, :m] = self._dequantize(qk, qv)
             n_sink = min(self.plan.sink_length, m)
             k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
@@ -432,13 +439,17 @@ class TieredQuantLayer(CompressedLayer):
         unit = p.group_size if p.warm_length else p.archive_group
         excess = tail_k.shape[2] - p.tail_length
         if excess >= unit and self.calibrating:
-            new = key_states.shape[2]
-            if getattr(self, "_calib_queries", None) is None and not getattr(self, "_calib_waited", False):
-                # the first forward's queries reach the layer after this update: quantize on the next one
+            before = tail_k.shape[2] - key_states.shape[2]  # positions the queries seen so far end at
+            queries = getattr(self, "_calib_queries", None)
+            first_wait = queries is None and not getattr(self, "_calib_waited", False)
+            # the first forward's queries reach the layer after this update; then wait until enough positions (at
+            # most CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates
+            short = queries is not None and before < p.tail_length + CALIBRATION_GROUPS * p.archive_group
+            if first_wait or short:
                 self._calib_waited = True
                 self._set_plain("tail", tail_k, tail_v)
                 return
-            self._calibrate(tail_k[:, :, : tail_k.shape[2] - new], tail_v[:, :, : tail_v.shape[2] - new])
+            self._calibrate(tail_k[:, :, :before], tail_v[:, :, :before])
         if excess >= unit:
             m = excess // unit * unit
             self._graduate(tail_k[:, :, :m], tail_v[:, :, :m])
@@ -550,22 +561,10 @@ class TieredQuantLayer(CompressedLayer):
         return segments
 
     # ---- batch / beam contract ----------------------------------------------------------------------------------
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the newest `-tokens_to_remove` tokens.
-
-        Tail tokens are simply dropped. A crop that reaches into a quantized tier reopens the groups it cuts: their
+    def _crop_newest(self, n: int) -> None:
+        """Tail tokens are simply dropped. A crop that reaches into a quantized tier reopens the groups it cuts: their
         surviving tokens go back to the tail as their dequantized values (and are quantized again when they
-        graduate). Sinks past the new end are dropped too.
-        """
-        if tokens_to_remove > 0:
-            raise ValueError(f"crop takes a negative count of tokens to remove, got {tokens_to_remove}")
-        n = -tokens_to_remove
-        if n == 0 or not self.is_initialized:
-            return
-        held = self.tokens_held()
-        if n > held:
-            raise ValueError(f"cannot crop {n} tokens: this layer holds {held}")
-        self.cumulative_length -= n
+        graduate). Sinks past the new end are dropped too."""
         s = self.store
         tail = self._count("tail_k")
         cut = min(n, tail)
