@@ -95,12 +95,13 @@ def test_padding_values_never_change_real_codes(smol, moby_text, cache_class):
     for pad_id in (0, 17):
         batch = torch.cat([ids, torch.cat([torch.full((1, 60), pad_id), short], 1)])
         cache = cache_class(config=model.config, **({"residual_length": 32} if cache_class is KIVICache else
-                                                    {"tail_length": 32, "warm_length": 32}))
+                                                    {"tail_length": 32, "warm_length": 32, "rotation": "none"}))
         cache.set_padding(mask)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         model(batch, attention_mask=mask, position_ids=position_ids, past_key_values=cache)
         stores.append(cache.layers[3].store)
     assert stores[0].keys() == stores[1].keys()
+    assert any(name.startswith(("warm", "arch")) for name in stores[0])  # quantized tiers are compared
     for name in stores[0]:
         if name.startswith(("tail", "sink")):
             continue  # full-precision positions: the padding positions themselves differ there
@@ -130,7 +131,7 @@ def test_left_padded_batch_generates_what_each_prompt_does_alone(smol, moby_text
 def test_tiered_bytes_count_the_rotations(smol, moby_text):
     model, tok = smol
     ids = load_tokens(tok, moby_text, 5000, 100)
-    cache = TieredQuantCache(config=model.config)
+    cache = TieredQuantCache(config=model.config, rotation="both")
     model(ids, past_key_values=cache)
     layer = cache.layers[0]
     rotations = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
