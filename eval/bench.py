@@ -10,6 +10,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
+from hf_kvcache.options import parse_options_json
 from hf_kvcache.registry import attached, build_cache, cache_names
 
 from .assets import load_model, load_text, load_tokens
@@ -31,15 +32,7 @@ class CacheSpec:
         if "=" in text.split(":", 1)[0]:
             label, text = text.split("=", 1)
         name, _, opts = text.partition(":")
-        try:
-            options = json.loads(opts) if opts else {}
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"the options of {name!r} are not valid JSON ({exc.msg} at character {exc.pos} of {opts!r}); write "
-                'them as a JSON object with double quotes, e.g. \'{"dtype": "int4"}\''
-            ) from None
-        if not isinstance(options, dict):
-            raise ValueError(f"options of {name!r} must be a JSON object, got {opts!r}")
+        options = parse_options_json(opts, f"the options of {name!r}")
         return cls(name, options, label or (name if not options else f"{name} {json.dumps(options)}"))
 
     def build(self, model) -> Cache:

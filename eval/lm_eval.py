@@ -31,7 +31,6 @@ continue from copies of that cache; the chunk boundaries are the same as without
 from __future__ import annotations
 
 import copy
-import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,7 @@ from transformers.cache_utils import Cache
 
 import hf_kvcache  # noqa: F401  (registers the caches and the "hf_kvcache" attention)
 from hf_kvcache.attention import use_for_cache
+from hf_kvcache.options import parse_options_json
 from hf_kvcache.eval.assets import model_dir
 from hf_kvcache.registry import build_cache, cache_names
 
@@ -68,16 +68,7 @@ def parse_cache_config(value: dict[str, Any] | str | None) -> dict[str, Any]:
     if isinstance(value, dict):
         return dict(value)
     if isinstance(value, str):
-        try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(
-                f"cache_config {value!r} is not valid JSON ({exc}); write a JSON object such as "
-                '\'{"bits": 2, "residual_length": 16}\' (double quotes around keys)'
-            ) from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"cache_config must be a JSON object of cache options, got {type(parsed).__name__}")
-        return parsed
+        return parse_options_json(value, "cache_config")
     raise ValueError(f"cache_config must be a dict or a JSON object string, got {type(value).__name__}")
 
 

@@ -41,6 +41,21 @@ class CacheOptions:
         return cls.from_dict(json.loads(text))
 
 
+def parse_options_json(text: str, what: str) -> dict[str, Any]:
+    """Cache options given as a JSON object string (command lines, lm-eval model args); `what` names them in the
+    error, which says how to write them."""
+    try:
+        parsed = json.loads(text) if text else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(
+            f"{what} {text!r} is not valid JSON ({exc.msg} at character {exc.pos}); write a JSON object with double "
+            'quotes around keys, e.g. \'{"dtype": "int4"}\''
+        ) from None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{what} must be a JSON object of cache options, got {text!r}")
+    return parsed
+
+
 def check_choice(name: str, value: Any, choices: tuple) -> None:
     if value not in choices:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
