@@ -19,7 +19,7 @@ import math
 import torch
 
 from .blockwise import combine, dense_partial, finish, packed_attention, rows_mask, scratch, quant_mass_blockwise, quant_partial_blockwise
-from .segments import FullSegment, QuantSegment, Segment, split_overlays
+from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
 
 NEG_INF = float("-inf")
 
@@ -225,16 +225,7 @@ def _overlaid_columns(overlays: list[FullSegment], start: int, stop: int, device
 
 def reference_attention(query, segments, attention_mask=None, scaling=None):
     """Dequantize everything, repeat KV heads, plain softmax attention: what the fused paths must match."""
-    segments, overlays = split_overlays(segments)
-    keys, values = [], []
-    for seg in segments:
-        k, v = (seg.keys.float(), seg.values.float()) if isinstance(seg, FullSegment) else seg.dequantize(unrotate=True)
-        keys.append(k)
-        values.append(v)
-    k, v = torch.cat(keys, 2), torch.cat(values, 2)
-    for o in overlays:
-        k[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.keys.float()
-        v[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.values.float()
+    k, v = dense_segments(segments)
     b, hq, q_len, d = query.shape
     group = hq // k.shape[1]
     k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)

@@ -102,3 +102,17 @@ def split_overlays(segments: list[Segment]) -> tuple[list[Segment], list[FullSeg
 def positions_held(segments: list[Segment]) -> int:
     """Key positions the segments hold (overlays add none)."""
     return sum(s.tokens for s in split_overlays(segments)[0])
+
+
+def dense_segments(segments: list[Segment], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys and values `[B, H, T, D]` of every position the segments hold, quantized ones dequantized (and
+    un-rotated), overlays written over the positions they replace."""
+    ordered, overlays = split_overlays(segments)
+    parts = [(s.keys.to(dtype), s.values.to(dtype)) if isinstance(s, FullSegment) else s.dequantize(dtype, unrotate=True)
+             for s in ordered]
+    keys = torch.cat([k for k, _ in parts], 2)
+    values = torch.cat([v for _, v in parts], 2)
+    for o in overlays:
+        keys[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.keys.to(dtype)
+        values[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.values.to(dtype)
+    return keys, values

@@ -21,7 +21,7 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache, DummyLayer, Dyna
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
-from ..kernels.segments import QuantSegment, positions_held, split_overlays
+from ..kernels.segments import FullSegment, dense_segments
 
 FP16_BYTES = 2
 LAYER_ATTR = "_hf_kvcache_layer"
@@ -55,26 +55,10 @@ class FusedView:
     new_keys: torch.Tensor
     new_values: torch.Tensor
 
-    def positions(self) -> int:
-        return positions_held(self.segments) + self.new_keys.shape[2]
-
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of every position (held, then new) in the new tokens' dtype: the fallback for attention
         calls the fused kernel does not serve."""
-        ordered, overlays = split_overlays(self.segments)
-        dt = self.new_keys.dtype
-        parts_k, parts_v = [], []
-        for seg in ordered:
-            k, v = (seg.dequantize(dt, unrotate=True) if isinstance(seg, QuantSegment)
-                    else (seg.keys.to(dt), seg.values.to(dt)))
-            parts_k.append(k)
-            parts_v.append(v)
-        keys = torch.cat([*parts_k, self.new_keys], dim=2)
-        values = torch.cat([*parts_v, self.new_values], dim=2)
-        for o in overlays:
-            keys[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.keys.to(dt)
-            values[:, :, o.overlay_at : o.overlay_at + o.tokens] = o.values.to(dt)
-        return keys, values
+        return dense_segments([*self.segments, FullSegment(self.new_keys, self.new_values)], self.new_keys.dtype)
 
 
 class _Placeholder(torch.Tensor):

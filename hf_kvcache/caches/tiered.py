@@ -215,6 +215,11 @@ class TieredQuantLayer(CompressedLayer):
         self.recipe: LayerRecipe | None = None  # given, or chosen by calibration (rotation="auto")
         self.calibrating = False
         self.query_window = 0
+        # while calibrating: the last queries seen (`[batch, heads, <= calibration_queries, head_dim]`), their
+        # scaling, and whether the first update already waited for them
+        self._calib_queries: torch.Tensor | None = None
+        self._calib_scaling = 1.0
+        self._calib_waited = False
         # a sliding-window layer: archive groups no future query can see are dropped, and no sinks are kept (the
         # first positions leave the window); `dropped` counts the positions before the first one held
         self.sliding_window = sliding_window
@@ -281,14 +286,14 @@ class TieredQuantLayer(CompressedLayer):
         "hf_kvcache" attention while this layer calibrates."""
         if self.calibrating:
             q = queries.detach()
-            prev = getattr(self, "_calib_queries", None)
+            prev = self._calib_queries
             if prev is not None and prev.shape[:2] == q.shape[:2]:  # consecutive forwards: consecutive positions
                 q = torch.cat([prev, q], dim=2)[:, :, -self.plan.calibration_queries :]
             self._calib_queries, self._calib_scaling = q, float(scaling)
 
     def _calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Pick the rotation from `keys`/`values` (the held positions `[0, T)` the stored queries are the last of)."""
-        queries = getattr(self, "_calib_queries", None)
+        queries = self._calib_queries
         if queries is None or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
             self.recipe = LayerRecipe("none", {}, "no-queries")
         else:
@@ -440,8 +445,8 @@ class TieredQuantLayer(CompressedLayer):
         excess = tail_k.shape[2] - p.tail_length
         if excess >= unit and self.calibrating:
             before = tail_k.shape[2] - key_states.shape[2]  # positions the queries seen so far end at
-            queries = getattr(self, "_calib_queries", None)
-            first_wait = queries is None and not getattr(self, "_calib_waited", False)
+            queries = self._calib_queries
+            first_wait = queries is None and not self._calib_waited
             # the first forward's queries reach the layer after this update; then wait until enough positions (at
             # most CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates
             short = queries is not None and before < p.tail_length + CALIBRATION_GROUPS * p.archive_group
