@@ -64,8 +64,10 @@ def attention_error(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                     approx_values: torch.Tensor, scaling: float) -> float:
     """Relative Frobenius error of the attention output of `queries` (the last positions, causal) when the keys
     and values `[B, Hkv, T, D]` are replaced by their approximations."""
-    exact = _attend(queries, keys, values, scaling)
-    approx = _attend(queries, approx_keys, approx_values, scaling)
+    return _relative_error(_attend(queries, keys, values, scaling), _attend(queries, approx_keys, approx_values, scaling))
+
+
+def _relative_error(exact: torch.Tensor, approx: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
 
 
@@ -83,8 +85,9 @@ def choose_recipe(
     per quantized tier the layer has) give the smallest mean attention error for `queries`. A rotation must beat
     "none" by `margin` (relative) to be taken: small differences on a few hundred calibration positions do not carry
     over to the rest of the text (measured on Qwen2.5: rotations chosen on a 1-3 % lead lost perplexity)."""
+    exact = _attend(queries, keys, values, scaling)  # once: only the approximations change between candidates
     errors = {
-        c: sum(attention_error(queries, keys, values, *roundtrip(keys, values, c, t), scaling) for t in tiers)
+        c: sum(_relative_error(exact, _attend(queries, *roundtrip(keys, values, c, t), scaling)) for t in tiers)
         / len(tiers)
         for c in candidates
     }
