@@ -98,20 +98,20 @@ def first_number(answer: str) -> str | None:
 
 @torch.inference_mode()
 def run_trial(model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int = 8, chunk: int = 0) -> dict:
-    from hf_kvcache.attention import use_for_cache
+    from hf_kvcache.registry import attached
 
     cache = spec.build(model)
-    use_for_cache(model, cache)
     dev = model.device
     context = torch.tensor([trial.context_ids], device=dev)
     step = chunk if chunk and chunk > 0 else context.shape[1]
-    for s in range(0, context.shape[1], step):
-        model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True)
     full = torch.tensor([trial.context_ids + trial.question_ids], device=dev)
-    out = model.generate(
-        full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
-        do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
-    )
+    with attached(model, cache):  # the attention the cache needs, for the context as for the generate after it
+        for s in range(0, context.shape[1], step):
+            model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True)
+        out = model.generate(
+            full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
+            do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
+        )
     answer = tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
     return {"depth": trial.depth, "key": trial.key, "answer": answer, "correct": first_number(answer) == trial.key}
 

@@ -78,8 +78,9 @@ def _attention_for(model, cache) -> None:
     generate returns (`_release`), so the model is handed back as it was."""
     needs_mass = getattr(cache, "needs_attention_mass", False)
     reads_fused = getattr(cache, "reads_fused", False)
-    if not (needs_mass or reads_fused):
-        return
+    leases = model.__dict__.setdefault("_hf_kvcache_leases", [])
+    if not (needs_mass or reads_fused) or any(lease.cache is cache for lease in leases):
+        return  # nothing to change, or an outer `attached` / generate already holds this cache
     from .attention import NAME, use_for_cache
 
     before = getattr(model.config, "_attn_implementation", None)
@@ -92,7 +93,7 @@ def _attention_for(model, cache) -> None:
             return
     if reads_fused:
         cache.bind(model)
-    model._hf_kvcache_lease = _Lease(before, cache)
+    leases.append(_Lease(before, cache))
 
 
 @contextlib.contextmanager
@@ -103,21 +104,24 @@ def attached(model, cache):
         with hf_kvcache.attached(model, cache):
             model(ids, past_key_values=cache)
     """
+    depth = len(model.__dict__.get("_hf_kvcache_leases", ()))
     _attention_for(model, cache)
     try:
         yield cache
     finally:
-        _release(model)
+        _release(model, depth)
 
 
-def _release(model) -> None:
-    lease = model.__dict__.pop("_hf_kvcache_lease", None)
-    if lease is None:
-        return
-    if getattr(lease.cache, "reads_fused", False):
-        lease.cache.unbind()
-    if lease.attn_implementation is not None and model.config._attn_implementation != lease.attn_implementation:
-        model.set_attn_implementation(lease.attn_implementation)
+def _release(model, depth: int) -> None:
+    """Undo the leases taken since there were `depth` of them (innermost first); nested `attached` / generate
+    calls with the same cache take none, so an inner generate never hands back what an outer call set up."""
+    leases = model.__dict__.get("_hf_kvcache_leases", [])
+    while len(leases) > depth:
+        lease = leases.pop()
+        if getattr(lease.cache, "reads_fused", False):
+            lease.cache.unbind()
+        if lease.attn_implementation is not None and model.config._attn_implementation != lease.attn_implementation:
+            model.set_attn_implementation(lease.attn_implementation)
 
 
 def _record_padding(cache, model_kwargs: dict) -> None:
@@ -156,10 +160,11 @@ def install() -> None:
 
     @functools.wraps(original_generate)
     def generate(self, *args, **kwargs):
+        depth = len(self.__dict__.get("_hf_kvcache_leases", ()))
         try:
             return original_generate(self, *args, **kwargs)
         finally:
-            _release(self)
+            _release(self, depth)
 
     GenerationMixin._prepare_cache_for_generation = _prepare_cache_for_generation
     GenerationMixin.generate = generate

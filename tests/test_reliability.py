@@ -209,3 +209,20 @@ def test_cache_for_a_smaller_config_is_a_clear_error(smol):
     cache = hf_kvcache.build_cache("int8", small)
     with pytest.raises(ValueError, match=r"built for a config with 4 layers.*config=model.config"):
         model(torch.tensor([[1, 2, 3]]), past_key_values=cache)
+
+
+@torch.no_grad()
+def test_generate_inside_attached_keeps_the_outer_binding(smol, pydoc_text):
+    """An inner generate with the cache an outer `attached` holds takes no lease of its own, so it hands back
+    nothing the outer call set up."""
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, pydoc_text, 0, 40)
+    cache = TieredQuantCache(config=model.config, rotation="none")
+    with hf_kvcache.attached(model, cache):
+        model(ids, past_key_values=cache)
+        model.generate(torch.cat([ids, ids[:, :1]], 1), past_key_values=cache, max_new_tokens=3, do_sample=False)
+        assert model.config._attn_implementation == "hf_kvcache"
+        assert all(layer.fused_binding is not None for layer in cache.layers)
+    assert model.config._attn_implementation == "sdpa"
+    assert all(layer.fused_binding is None for layer in cache.layers)
