@@ -211,7 +211,6 @@ class TieredQuantLayer(CompressedLayer):
 
     def __init__(self, options: TieredQuantOptions | None = None, sliding_window: int | None = None) -> None:
         super().__init__(options if options is not None else TieredQuantOptions())
-        self.plan: TieredQuantOptions = self._plan()
         self.recipe: LayerRecipe | None = None  # given, or chosen by calibration (rotation="auto")
         self.calibrating = False
         self.query_window = 0
@@ -227,11 +226,23 @@ class TieredQuantLayer(CompressedLayer):
         self.dropped = 0
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
-            self.plan = dataclasses.replace(self.plan, sink_length=0)
+        self.plan: TieredQuantOptions = self._plan()
 
     def _plan(self) -> TieredQuantOptions:
-        """The tiered options this layer runs with (KIVI maps its own options onto them)."""
+        """The tiered options this layer runs with (KIVI maps its own options onto them; a sliding layer keeps no
+        sinks: its first positions leave the window)."""
+        plan = self._options_as_tiered()
+        return dataclasses.replace(plan, sink_length=0) if self.is_sliding else plan
+
+    def _options_as_tiered(self) -> TieredQuantOptions:
         return self.options
+
+    def replan(self, options: CacheOptions) -> None:
+        """Run with `options` from the next sequence on: at once if the layer holds nothing, else at `reset()` (the
+        tiers already stored keep the widths and group sizes they were written with)."""
+        self.options = options
+        if not self.is_initialized:
+            self.plan = self._plan()
 
     # ---- setup --------------------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -333,6 +344,7 @@ class TieredQuantLayer(CompressedLayer):
     def reset(self) -> None:
         """Forget the held tokens; a recipe chosen by calibration stays (it belongs to the model, not the text)."""
         super().reset()
+        self.plan = self._plan()
         self.dropped = 0
         self._calib_waited, self._calib_queries = False, None
 
@@ -626,7 +638,7 @@ class KIVILayer(TieredQuantLayer):
     def __init__(self, options: KIVIOptions | None = None, sliding_window: int | None = None) -> None:
         super().__init__(options if options is not None else KIVIOptions(), sliding_window)
 
-    def _plan(self) -> TieredQuantOptions:
+    def _options_as_tiered(self) -> TieredQuantOptions:
         return self.options.as_tiered()
 
 
