@@ -1,247 +1,30 @@
-"""CPACCache: cross-page adaptive compression (base pages + quantized deltas, memory-pressure adaptive).
-
-The method of "CPAC: Cross-Page Adaptive Compression", built as the paper describes it, with the choices the paper
-leaves open made explicit as options:
-
-- Each layer cuts the tokens of every (batch row, KV head) into pages of `page_size` tokens. A page is compressed
-  once it is full and older than the `recent_pages` newest full pages; newer tokens (the "tail") stay in
-  `full_dtype` (fp16 by default, the precision the compression ratio is measured against).
-- A page is compared with the *base pages* of its (layer, batch row, KV head) by the cosine of its features (see
-  `hf_kvcache.policy.cpac_features`) times `1 - |imp_a - imp_b|`, importance coming from the attention mass the
-  pages received. If the best base is similar enough (threshold set by memory pressure), the page is stored as a
-  delta against it, quantized to `delta_bits` with one fp16 scale per page (`delta_scale="page"`, or per token /
-  per channel); otherwise it becomes a new base (full precision) or, when `max_bases` bases exist already, stays
-  raw (full precision, not used as a base). Pages whose importance reaches `protect_importance` (relative to the
-  most attended page of the same row and head) stay raw: never a delta, nor a base.
-- Memory pressure = bytes held by all CPAC layers of the cache / `memory_budget` (bytes when an int, a fraction
-  of the fp16 size of the tokens seen when a float), or a fixed `pressure` given by the caller. The similarity
-  threshold follows it: `thresholds[i]` while pressure < `pressure_levels[i]`, the last threshold above (defaults
-  0.95 / 0.85 / 0.70 at < 0.6 / < 0.8 / above).
-- `update` returns decompressed keys and values (decompression on demand, every page rebuilt from its base and
-  delta), so the cache works with any attention implementation.
-
-Importance. With `attn_implementation="hf_kvcache"` the attention function reports, after each update, the
-attention every held key received (`observe_attention`); a page's importance is the mean attention per query that
-looked at it, divided by the largest such value among the pages of its row and head. Compression of pages that
-became eligible in an update then waits for that report, so they are ranked by attention that includes their own
-chunk. With any other attention implementation no mass arrives: the layer notices at its next update (one logged
-note per cache), compresses from then on right in `update`, and every page's importance is 0 (uniform fallback:
-the weight `1 - |imp_a - imp_b|` is 1 and no page is protected by importance; recent pages still are).
-
-Storage of one layer (`store`), for each of keys (`k_`) and values (`v_`):
-  `tail`  [batch, heads, tail_tokens, D]  full_dtype   tokens not compressed yet
-  `full`  [n_full, P, D]                  full_dtype   pool of base and raw pages
-  `dcodes`[n_delta, packed]               uint8        delta codes (`delta_bits` per element, packed)
-  `dscale`[n_delta, groups]               fp16         delta scales
-  `dzero` [n_delta, groups]               fp16         delta zero points (only with delta_asymmetric=True)
-  `dbase` [n_delta]                       int32        row of `full` each delta is taken against (-1: zero)
-  `slot`  [batch, heads, pages]           int32        row of the page in `full` or in the delta pool
-  `mode`  [batch, heads, pages]           int8         RAW / BASE / DELTA
-and `imp_mass` [batch, heads, all pages] fp32, `imp_obs` [all pages] fp32 (attention received, queries that saw it).
-Pools are shared by batch rows: beam reordering and `batch_repeat_interleave` remap `slot` and never copy a page;
-rows no beam references any more are dropped (`_compact`). Every figure of `memory_stats` is a sum of `nbytes`.
-"""
+"""`CPACLayer`: one model layer of a `CPACCache` (see the package docstring); `_Budget`: the memory pressure its
+layers share."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedConfig
 
-from ..options import CacheOptions, check_choice, check_positive_int
-from ..policy.cpac_features import (
-    FEATURE_KINDS,
+from ...policy.cpac_features import (
     KeyRotation,
     combine_features,
     importance_weight,
     page_features,
     threshold_for_pressure,
 )
-from ..quant.packing import packed_length
-from ..quant.uniform import QuantizedTensor, dequantize, quantize
-from .base import FP16_BYTES, CompressedCache, CompressedLayer
-from .base import memory_stats as _memory_stats
+from ...quant.packing import packed_length
+from ..base import FP16_BYTES, CompressedLayer
+from .delta import _delta_group, decode_delta, encode_delta
+from .options import STREAMS, CPACOptions
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger(__package__)
 
 RAW, BASE, DELTA = 0, 1, 2
-STREAMS = ("k", "v")
-DELTA_BITS = (2, 3, 4, 5, 6, 7, 8)
-DELTA_SCALES = ("page", "token", "channel")
-SIMILARITY_ON = ("joint", "keys", "values", "separate")
-KEY_SPACES = ("rotated", "derotated")
-REFERENCES = ("base", "keys", "zero")
-FULL_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-# similarity_on -> decision groups: (streams that share the decision, streams whose features decide)
-_GROUPS = {
-    "joint": ((("k", "v"), ("k", "v")),),
-    "keys": ((("k", "v"), ("k",)),),
-    "values": ((("k", "v"), ("v",)),),
-    "separate": ((("k",), ("k",)), (("v",), ("v",))),
-}
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-@dataclass
-class CPACOptions(CacheOptions):
-    """Options of `CPACCache` (JSON-serializable; bad values raise ValueError naming the valid ones).
-
-    The paper's method: `page_size`, `recent_pages`, `delta_bits` (2..8, packed), `delta_scale` (one fp16 scale per
-    "page", "token" or "channel" of a delta page; or [keys, values], e.g. ["channel", "token"]), `thresholds` /
-    `pressure_levels`, `memory_budget` (int: bytes; float: fraction of the fp16 size of the tokens seen) or a fixed
-    `pressure`, `features` + `n_dct` (see `hf_kvcache.policy.cpac_features`), `protect_importance` (pages whose
-    importance reaches it stay raw; None: no protection), `importance_weighting` (the `1 - |imp_a - imp_b|` factor),
-    `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
-
-    Variants (not in the paper, to see what matters): `delta_asymmetric` (deltas quantized with a zero point, an fp16
-    minimum per scale group, instead of symmetrically); `similarity_on` -- "joint" (keys and values of a page decide
-    together, the default), "keys" or "values" (one decides for both), "separate" (keys and values each get their own
-    bases and decisions); `key_space` -- "rotated" (keys as RoPE leaves them, the default) or "derotated" (RoPE undone
-    before features and deltas, redone on decompression; needs the model config); `reference` -- "base" (deltas
-    against base pages, the default), "keys" (values quantized directly, keys against bases chosen by the keys'
-    features alone, whatever `similarity_on` says) or "zero" (every page quantized directly: the ablation without any
-    cross-page delta).
-    """
-
-    page_size: int = 16
-    recent_pages: int = 2
-    delta_bits: int = 8
-    delta_scale: str | list = "page"
-    thresholds: tuple = (0.95, 0.85, 0.70)
-    pressure_levels: tuple = (0.6, 0.8)
-    memory_budget: int | float | None = None
-    pressure: float | None = None
-    features: str = "summary"
-    n_dct: int = 4
-    similarity_on: str = "joint"
-    key_space: str = "rotated"
-    protect_importance: float | None = 0.5
-    importance_weighting: bool = True
-    max_bases: int | None = None
-    reference: str = "base"
-    delta_asymmetric: bool = False
-    full_dtype: str = "float16"
-
-    def validate(self) -> None:
-        check_positive_int("page_size", self.page_size)
-        if not isinstance(self.recent_pages, int) or isinstance(self.recent_pages, bool) or self.recent_pages < 0:
-            raise ValueError(f"recent_pages must be a non-negative integer, got {self.recent_pages!r}")
-        check_choice("delta_bits", self.delta_bits, DELTA_BITS)
-        if isinstance(self.delta_scale, (list, tuple)):
-            if len(self.delta_scale) != 2:
-                raise ValueError(f"delta_scale takes one granularity or [keys, values], got {self.delta_scale!r}")
-            for part in self.delta_scale:
-                check_choice("delta_scale", part, DELTA_SCALES)
-            k_scale, v_scale = self.delta_scale
-            self.delta_scale = [k_scale, v_scale] if k_scale != v_scale else k_scale
-        else:
-            check_choice("delta_scale", self.delta_scale, DELTA_SCALES)
-        check_choice("features", self.features, FEATURE_KINDS)
-        check_choice("similarity_on", self.similarity_on, SIMILARITY_ON)
-        check_choice("key_space", self.key_space, KEY_SPACES)
-        check_choice("full_dtype", self.full_dtype, tuple(FULL_DTYPES))
-        check_choice("reference", self.reference, REFERENCES)
-        if not isinstance(self.n_dct, int) or isinstance(self.n_dct, bool) or self.n_dct < 0:
-            raise ValueError(
-                f"n_dct must be a non-negative integer (at most page_size - 1 are used), got {self.n_dct!r}"
-            )
-        if not isinstance(self.thresholds, (list, tuple)) or not isinstance(self.pressure_levels, (list, tuple)):
-            raise ValueError("thresholds and pressure_levels must be lists of numbers")
-        self.thresholds, self.pressure_levels = tuple(self.thresholds), tuple(self.pressure_levels)
-        if len(self.thresholds) != len(self.pressure_levels) + 1:
-            raise ValueError(
-                f"thresholds needs one more entry than pressure_levels (one per pressure regime), got "
-                f"{list(self.thresholds)} and {list(self.pressure_levels)}"
-            )
-        if not all(_is_number(t) and -1.0 <= t <= 1.0 for t in self.thresholds):
-            raise ValueError(f"thresholds must be similarities in [-1, 1], got {list(self.thresholds)}")
-        if any(a < b for a, b in zip(self.thresholds, self.thresholds[1:])):
-            raise ValueError(f"thresholds must not increase with pressure, got {list(self.thresholds)}")
-        if not all(_is_number(p) and p > 0 for p in self.pressure_levels) or any(
-            a >= b for a, b in zip(self.pressure_levels, self.pressure_levels[1:])
-        ):
-            raise ValueError(f"pressure_levels must be positive and increasing, got {list(self.pressure_levels)}")
-        mb = self.memory_budget
-        if mb is not None and not (_is_number(mb) and mb > 0):
-            raise ValueError(
-                f"memory_budget must be a positive int (bytes) or float (fraction of the fp16 size of the tokens "
-                f"seen), or None, got {mb!r}"
-            )
-        if self.pressure is not None and not (_is_number(self.pressure) and self.pressure >= 0):
-            raise ValueError(f"pressure must be a number >= 0 or None, got {self.pressure!r}")
-        if self.pressure is not None and mb is not None:
-            raise ValueError("give either memory_budget (pressure is measured) or pressure (fixed), not both")
-        pi = self.protect_importance
-        if pi is not None and not (_is_number(pi) and 0.0 <= pi <= 1.0):
-            raise ValueError(f"protect_importance must be in [0, 1] or None (no protection), got {pi!r}")
-        if not isinstance(self.delta_asymmetric, bool):
-            raise ValueError(f"delta_asymmetric must be True or False, got {self.delta_asymmetric!r}")
-        if not isinstance(self.importance_weighting, bool):
-            raise ValueError(f"importance_weighting must be True or False, got {self.importance_weighting!r}")
-        if self.max_bases is not None and (
-            not isinstance(self.max_bases, int) or isinstance(self.max_bases, bool) or self.max_bases < 0
-        ):
-            raise ValueError(f"max_bases must be a non-negative integer or None, got {self.max_bases!r}")
-
-    @property
-    def groups(self) -> tuple:
-        """Decision groups: (streams sharing one decision, streams whose features decide). Streams quantized against
-        zero have no bases, so their features cannot decide: with reference="keys" the keys decide alone."""
-        if self.reference == "zero":
-            return ((STREAMS, ()),)
-        if self.reference == "keys":
-            return ((STREAMS, ("k",)),)
-        return _GROUPS[self.similarity_on]
-
-    def scale_of(self, stream: str) -> str:
-        """Delta scale granularity of `stream` ("k" or "v")."""
-        return self.delta_scale if isinstance(self.delta_scale, str) else self.delta_scale[STREAMS.index(stream)]
-
-    def zero_reference(self, stream: str) -> bool:
-        """Whether pages of `stream` are quantized directly (a delta against zero) instead of against a base."""
-        return self.reference == "zero" or (self.reference == "keys" and stream == "v")
-
-    @property
-    def torch_full_dtype(self) -> torch.dtype:
-        return FULL_DTYPES[self.full_dtype]
-
-
-# ---- delta codec (reuses the reference quantizer of hf_kvcache.quant) ------------------------------------------------
-def _delta_group(scale: str, page_size: int, dim: int) -> int:
-    return {"page": page_size * dim, "token": dim, "channel": page_size}[scale]
-
-
-def encode_delta(
-    delta: torch.Tensor, bits: int, scale: str = "page", symmetric: bool = True
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Quantize deltas `[n, P, D]` to `bits`: (packed uint8 codes `[n, packed]`, fp16 scales `[n, groups]`, fp16 zero
-    points `[n, groups]` or None when symmetric), one scale per page, per token or per channel."""
-    n, p, d = delta.shape
-    x = delta.transpose(1, 2) if scale == "channel" else delta
-    q = quantize(x.reshape(n, p * d), "int", bits, _delta_group(scale, p, d), symmetric=symmetric)
-    return q.codes, q.scale, q.zero
-
-
-def decode_delta(
-    codes: torch.Tensor, scales: torch.Tensor, bits: int, scale: str, page_size: int, dim: int,
-    zeros: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Inverse of `encode_delta`: fp32 deltas `[n, P, D]`."""
-    n = codes.shape[0]
-    q = QuantizedTensor(codes, scales, zeros, "int", bits, _delta_group(scale, page_size, dim), page_size * dim)
-    x = dequantize(q, torch.float32)
-    if scale == "channel":
-        return x.reshape(n, dim, page_size).transpose(1, 2)
-    return x.reshape(n, page_size, dim)
 
 
 def _take(table: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -683,64 +466,3 @@ class CPACLayer(CompressedLayer):
             kind = next((k for k, fields in kinds.items() if field in fields), "meta")
             out[kind] += t.nbytes
         return out
-
-
-class CPACCache(CompressedCache):
-    """Cross-page adaptive compression. `CPACCache(config=model.config, memory_budget=0.5, delta_bits=8)`."""
-
-    options_class = CPACOptions
-    layer_class = CPACLayer
-    needs_attention_mass = True  # generate(cache_implementation="cpac") switches the model to the hf_kvcache attention
-
-    def __init__(self, config: PreTrainedConfig | None = None, **options: Any) -> None:
-        parsed = CPACOptions.from_dict(options)
-        self._budget = _Budget(parsed)
-        self._rotation = None
-        if parsed.key_space == "derotated":
-            if config is None:
-                raise ValueError("key_space='derotated' needs config=model.config (its RoPE parameters)")
-            self._rotation = KeyRotation.from_config(config)
-        super().__init__(config, **options)
-        self._budget.options = self.options
-        if self.layer_class_to_replicate is not None:
-            self.layer_class_to_replicate = functools.partial(CPACLayer, self.options, self._budget, self._rotation)
-
-    def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
-        if layer_type == "full_attention":
-            return CPACLayer(self.options, self._budget, self._rotation)
-        return super()._make_layer(layer_type, kwargs, layer_idx)
-
-    def cpac_layers(self) -> list[CPACLayer]:
-        return [layer for layer in self.layers if isinstance(layer, CPACLayer)]
-
-    def compress_ready(self) -> int:
-        """Compress every page that is ready now, in every layer (normally done by update / observe_attention)."""
-        return sum(layer.compress_ready() for layer in self.cpac_layers())
-
-    def memory_stats(self) -> dict[str, float]:
-        """Bytes held (sum of nbytes), fp16 equivalent and ratio, pages per kind (keys and values counted apart),
-        bytes per kind, the pressure the thresholds follow, the measured pressure and the current threshold."""
-        stats = _memory_stats(self)
-        for layer in self.cpac_layers():
-            for k, v in layer.page_counts().items():
-                stats[k] = stats.get(k, 0) + v
-            for k, v in layer.bytes_by_kind().items():
-                stats[f"{k}_bytes"] = stats.get(f"{k}_bytes", 0) + v
-        stats["tail_tokens"] = max((layer.tail_tokens() for layer in self.cpac_layers()), default=0)
-        stats["pressure"] = self._budget.pressure()
-        stats["measured_pressure"] = self._budget.measured_pressure()
-        stats["threshold"] = self._budget.threshold()
-        return stats
-
-    def timing_stats(self) -> dict[str, float]:
-        """Time spent compressing / decompressing, per block (one page of one row and KV head, keys and values),
-        summed over the layers since the cache was made."""
-        t = {"compress_s": 0.0, "compress_blocks": 0, "decompress_s": 0.0, "decompress_blocks": 0}
-        for layer in self.cpac_layers():
-            for k in t:
-                t[k] += layer.timing[k]
-        t["compress_ms_per_block"] = 1e3 * t["compress_s"] / t["compress_blocks"] if t["compress_blocks"] else math.nan
-        t["decompress_ms_per_block"] = (
-            1e3 * t["decompress_s"] / t["decompress_blocks"] if t["decompress_blocks"] else math.nan
-        )
-        return t

@@ -1,0 +1,50 @@
+"""CPACCache: cross-page adaptive compression (base pages + quantized deltas, memory-pressure adaptive).
+
+The method of "CPAC: Cross-Page Adaptive Compression", built as the paper describes it, with the choices the paper
+leaves open made explicit as options:
+
+- Each layer cuts the tokens of every (batch row, KV head) into pages of `page_size` tokens. A page is compressed
+  once it is full and older than the `recent_pages` newest full pages; newer tokens (the "tail") stay in
+  `full_dtype` (fp16 by default, the precision the compression ratio is measured against).
+- A page is compared with the *base pages* of its (layer, batch row, KV head) by the cosine of its features (see
+  `hf_kvcache.policy.cpac_features`) times `1 - |imp_a - imp_b|`, importance coming from the attention mass the
+  pages received. If the best base is similar enough (threshold set by memory pressure), the page is stored as a
+  delta against it, quantized to `delta_bits` with one fp16 scale per page (`delta_scale="page"`, or per token /
+  per channel); otherwise it becomes a new base (full precision) or, when `max_bases` bases exist already, stays
+  raw (full precision, not used as a base). Pages whose importance reaches `protect_importance` (relative to the
+  most attended page of the same row and head) stay raw: never a delta, nor a base.
+- Memory pressure = bytes held by all CPAC layers of the cache / `memory_budget` (bytes when an int, a fraction
+  of the fp16 size of the tokens seen when a float), or a fixed `pressure` given by the caller. The similarity
+  threshold follows it: `thresholds[i]` while pressure < `pressure_levels[i]`, the last threshold above (defaults
+  0.95 / 0.85 / 0.70 at < 0.6 / < 0.8 / above).
+- `update` returns decompressed keys and values (decompression on demand, every page rebuilt from its base and
+  delta), so the cache works with any attention implementation.
+
+Importance. With `attn_implementation="hf_kvcache"` the attention function reports, after each update, the
+attention every held key received (`observe_attention`); a page's importance is the mean attention per query that
+looked at it, divided by the largest such value among the pages of its row and head. Compression of pages that
+became eligible in an update then waits for that report, so they are ranked by attention that includes their own
+chunk. With any other attention implementation no mass arrives: the layer notices at its next update (one logged
+note per cache), compresses from then on right in `update`, and every page's importance is 0 (uniform fallback:
+the weight `1 - |imp_a - imp_b|` is 1 and no page is protected by importance; recent pages still are).
+
+Storage of one layer (`store`), for each of keys (`k_`) and values (`v_`):
+  `tail`  [batch, heads, tail_tokens, D]  full_dtype   tokens not compressed yet
+  `full`  [n_full, P, D]                  full_dtype   pool of base and raw pages
+  `dcodes`[n_delta, packed]               uint8        delta codes (`delta_bits` per element, packed)
+  `dscale`[n_delta, groups]               fp16         delta scales
+  `dzero` [n_delta, groups]               fp16         delta zero points (only with delta_asymmetric=True)
+  `dbase` [n_delta]                       int32        row of `full` each delta is taken against (-1: zero)
+  `slot`  [batch, heads, pages]           int32        row of the page in `full` or in the delta pool
+  `mode`  [batch, heads, pages]           int8         RAW / BASE / DELTA
+and `imp_mass` [batch, heads, all pages] fp32, `imp_obs` [all pages] fp32 (attention received, queries that saw it).
+Pools are shared by batch rows: beam reordering and `batch_repeat_interleave` remap `slot` and never copy a page;
+rows no beam references any more are dropped (`_compact`). Every figure of `memory_stats` is a sum of `nbytes`.
+"""
+
+from .cache import CPACCache
+from .delta import decode_delta, encode_delta
+from .layer import BASE, DELTA, RAW, CPACLayer
+from .options import CPACOptions
+
+__all__ = ["BASE", "DELTA", "RAW", "CPACCache", "CPACLayer", "CPACOptions", "decode_delta", "encode_delta"]
