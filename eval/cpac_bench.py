@@ -205,7 +205,8 @@ def similarity_section(model, ids, chunk: int, page_size: int = 16) -> list[dict
     """How alike pages of one (layer, KV head) are, and what a token-wise delta against the most similar earlier page
     leaves: for each tensor (keys as RoPE leaves them, keys de-rotated, values) and feature kind, the share of pages
     whose best cosine to an earlier page reaches 0.95 / 0.85 / 0.70, and the median of |page - base| / |page|."""
-    from hf_kvcache.policy.cpac_features import FEATURE_KINDS, KeyRotation, page_features
+    from hf_kvcache.caches.cpac.features import FEATURE_KINDS, page_features
+    from hf_kvcache.rope import KeyRotation
 
     cache = DynamicCache(config=model.config)
     streaming_perplexity(model, ids, cache, chunk)

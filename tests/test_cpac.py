@@ -10,7 +10,8 @@ from transformers import LlamaConfig
 import hf_kvcache
 from hf_kvcache import CPACCache
 from hf_kvcache.caches.cpac import BASE, DELTA, RAW, CPACOptions, decode_delta, encode_delta
-from hf_kvcache.policy.cpac_features import KeyRotation, importance_weight, page_features, threshold_for_pressure
+from hf_kvcache.caches.cpac.features import importance_weight, page_features, threshold_for_pressure
+from hf_kvcache.rope import KeyRotation
 
 B, H, D, LAYERS = 2, 3, 64, 2
 

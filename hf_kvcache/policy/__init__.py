@@ -1,7 +1,6 @@
 """Eviction policies, one per module: each picks which held tokens a KV head keeps (see `base.EvictionPolicy`)."""
 
 from .base import EvictionPolicy, SlotView
-from .cpac_features import KeyRotation, importance_weight, page_features, threshold_for_pressure
 from .h2o import H2OPolicy
 from .hybrid import HybridPolicy
 from .knorm import KNormPolicy
@@ -17,10 +16,6 @@ POLICIES: dict[str, type[EvictionPolicy]] = {
 }
 
 __all__ = [
-    "KeyRotation",
-    "importance_weight",
-    "page_features",
-    "threshold_for_pressure",
     "EvictionPolicy",
     "SlotView",
     "POLICIES",

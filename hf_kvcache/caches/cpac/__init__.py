@@ -7,7 +7,7 @@ leaves open made explicit as options:
   once it is full and older than the `recent_pages` newest full pages; newer tokens (the "tail") stay in
   `full_dtype` (fp16 by default, the precision the compression ratio is measured against).
 - A page is compared with the *base pages* of its (layer, batch row, KV head) by the cosine of its features (see
-  `hf_kvcache.policy.cpac_features`) times `1 - |imp_a - imp_b|`, importance coming from the attention mass the
+  `hf_kvcache.caches.cpac.features`) times `1 - |imp_a - imp_b|`, importance coming from the attention mass the
   pages received. If the best base is similar enough (threshold set by memory pressure), the page is stored as a
   delta against it, quantized to `delta_bits` with one fp16 scale per page (`delta_scale="page"`, or per token /
   per channel); otherwise it becomes a new base (full precision) or, when `max_bases` bases exist already, stays

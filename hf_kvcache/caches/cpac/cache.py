@@ -8,7 +8,7 @@ from typing import Any
 
 from transformers import PreTrainedConfig
 
-from ...policy.cpac_features import KeyRotation
+from ...rope import KeyRotation
 from ..base import CompressedCache
 from ..base import memory_stats as _memory_stats
 from .layer import CPACLayer, _Budget

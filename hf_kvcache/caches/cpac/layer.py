@@ -10,16 +10,11 @@ from typing import Any
 
 import torch
 
-from ...policy.cpac_features import (
-    KeyRotation,
-    combine_features,
-    importance_weight,
-    page_features,
-    threshold_for_pressure,
-)
 from ...quant.packing import packed_length
+from ...rope import KeyRotation
 from ..base import FP16_BYTES, CompressedLayer
 from .delta import _delta_group, decode_delta, encode_delta
+from .features import combine_features, importance_weight, page_features, threshold_for_pressure
 from .options import STREAMS, CPACOptions
 
 logger = logging.getLogger(__package__)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from ...options import CacheOptions, check_choice, check_positive_int
-from ...policy.cpac_features import FEATURE_KINDS
+from .features import FEATURE_KINDS
 
 STREAMS = ("k", "v")
 DELTA_BITS = (2, 3, 4, 5, 6, 7, 8)
@@ -37,7 +37,7 @@ class CPACOptions(CacheOptions):
     The paper's method: `page_size`, `recent_pages`, `delta_bits` (2..8, packed), `delta_scale` (one fp16 scale per
     "page", "token" or "channel" of a delta page; or [keys, values], e.g. ["channel", "token"]), `thresholds` /
     `pressure_levels`, `memory_budget` (int: bytes; float: fraction of the fp16 size of the tokens seen) or a fixed
-    `pressure`, `features` + `n_dct` (see `hf_kvcache.policy.cpac_features`), `protect_importance` (pages whose
+    `pressure`, `features` + `n_dct` (see `hf_kvcache.caches.cpac.features`), `protect_importance` (pages whose
     importance reaches it stay raw; None: no protection), `importance_weighting` (the `1 - |imp_a - imp_b|` factor),
     `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
 

@@ -1,4 +1,4 @@
-"""CPAC page features, similarity, pressure-driven thresholds, and the RoPE key space.
+"""CPAC page features, similarity, and pressure-driven thresholds.
 
 A page is `page_size` consecutive tokens of one KV head, `[P, D]`. The paper describes its features as "per-head mean
 and variance, a mean-abs signature over tokens, a few DCT coefficients"; `kind` picks one of three feature sets:
@@ -17,11 +17,6 @@ and variance, a mean-abs signature over tokens, a few DCT coefficients"; `kind` 
 Features of several tensors of a page (keys and values) combine by `combine_features`: the dot product of two
 combined vectors is the mean of the per-tensor cosines. Similarity of a page to a base page is that cosine times
 the importance weight `1 - |imp_a - imp_b|` (importances in [0, 1]).
-
-Keys reach the cache after RoPE: the key of position t is R(t) k_t. Two pages of the same content at different
-positions differ by a rotation, which neither the features nor a token-wise delta can see through. `KeyRotation`
-undoes it (R(-t)) so that features and deltas can be computed on position-free keys, and redoes it on decompression;
-it is exact up to float rounding (R is orthogonal).
 """
 
 from __future__ import annotations
@@ -109,72 +104,3 @@ def threshold_for_pressure(pressure: float, thresholds: tuple[float, ...], level
         if pressure < level:
             return threshold
     return thresholds[len(levels)]
-
-
-# ---- RoPE key space --------------------------------------------------------------------------------------------------
-SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class KeyRotation:
-    """Llama-style RoPE (`rotate_half` layout) of a model config, applied or undone at given token positions.
-
-    Positions are cache indices (0 for the first token the layer holds). With left padding the true positions are
-    shifted by a constant per row; undoing and redoing the rotation at the same index is still exact, and the
-    shared offset does not change how pages of a row compare.
-    """
-
-    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
-        self.inv_freq = inv_freq.float()
-        self.scaling = float(attention_scaling)
-
-    @classmethod
-    def from_config(cls, config, head_dim: int | None = None) -> "KeyRotation":
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-        params = dict(getattr(text, "rope_parameters", None) or {})
-        rope_type = params.get("rope_type", "default")
-        if rope_type not in SUPPORTED_ROPE:
-            raise ValueError(
-                f"key_space='derotated' supports rope types {list(SUPPORTED_ROPE)}, not {rope_type!r}; "
-                "use key_space='rotated'"
-            )
-        head_dim = head_dim or getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        if rope_type == "default":
-            base = params.get("rope_theta", getattr(text, "rope_theta", None))
-            if base is None:
-                raise ValueError("key_space='derotated' needs rope_theta in the model config")
-            dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-            scaling = 1.0
-        else:
-            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text)
-        if 2 * inv_freq.numel() != head_dim:
-            raise ValueError(
-                f"key_space='derotated' needs RoPE over the whole head (head_dim={head_dim}, rotary dims="
-                f"{2 * inv_freq.numel()}); use key_space='rotated'"
-            )
-        return cls(inv_freq, scaling)
-
-    def _cos_sin(self, start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + n, dtype=torch.float32, device=device)
-        freqs = pos.unsqueeze(1) * self.inv_freq.to(device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
-
-    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Apply RoPE to `x` `[..., T, D]` whose tokens sit at positions start..start+T-1 (fp32 result)."""
-        cos, sin = self._cos_sin(start, x.shape[-2], x.device)
-        x = x.float()
-        return (x * cos + _rotate_half(x) * sin) * self.scaling
-
-    def derotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """Undo `rotate` (fp32 result)."""
-        cos, sin = self._cos_sin(start, x.shape[-2], x.device)
-        x = x.float()
-        return (x * cos - _rotate_half(x) * sin) / self.scaling
