@@ -1,5 +1,6 @@
 """CPACCache: pages, deltas, pressure, importance, byte accounting, the batch / beam contract, generate()."""
 
+import copy
 import json
 import logging
 
@@ -117,11 +118,11 @@ def test_references(reference):
     layer = cache.layers[0]
     k_out, v_out = layer.materialize()
     assert (v_out - v).norm() / v.norm() < 0.25
-    bases = {s: int((layer.store[f"{s}_mode"] == BASE).sum()) for s in "kv"}
+    bases = {s: int((layer.pools[s].mode == BASE).sum()) for s in "kv"}
     expected = {"base": (B * H, B * H), "keys": (B * H, 0), "zero": (0, 0)}[reference]
     assert (bases["k"], bases["v"]) == expected
     if reference == "zero":
-        assert (layer.store["k_dbase"] == -1).all()
+        assert (layer.pools["k"].dbase == -1).all()
     if reference == "keys":  # the keys' own features decide (values have no bases to compare with)
         same = CPACCache(config=tiny_config(), page_size=8, recent_pages=0, delta_bits=4, similarity_on="keys",
                          thresholds=[0.9, 0.9, 0.9])
@@ -129,7 +130,7 @@ def test_references(reference):
                         thresholds=[0.9, 0.9, 0.9])
         feed(same, [32], mass=uniform_mass)
         feed(ref, [32], mass=uniform_mass)
-        assert torch.equal(same.layers[0].store["k_mode"], ref.layers[0].store["k_mode"])
+        assert torch.equal(same.layers[0].pools["k"].mode, ref.layers[0].pools["k"].mode)
 
 
 def test_asymmetric_deltas_carry_zero_points():
@@ -144,8 +145,8 @@ def test_asymmetric_deltas_carry_zero_points():
             keys, _ = cache.update(k, k, i)
             cache.layers[i].observe_attention(torch.ones(B, H, keys.shape[2]))
         layer = cache.layers[0]
-        assert ("k_dzero" in layer.store) == asym
-        assert cache.memory_stats()["bytes"] == sum(t.nbytes for lay in cache.layers for t in lay.store.values())
+        assert (layer.pools["k"].dzero is not None) == asym
+        assert cache.memory_stats()["bytes"] == sum(t.nbytes for lay in cache.layers for t in lay.held_tensors())
         errs[asym] = ((layer.materialize()[0] - k).norm() / k.norm()).item()
         assert torch.allclose(layer.decompress_page("k", 1, 1, 2), layer.materialize()[0][1, 1, 16:24])
     assert errs[True] < errs[False] / 2
@@ -167,13 +168,13 @@ def test_bytes_are_sum_of_nbytes_and_storage_shrinks():
     cache = CPACCache(config=tiny_config(), page_size=8, recent_pages=1, **ALL_DELTA)
     feed(cache, [64], mass=uniform_mass)
     stats = cache.memory_stats()
-    held = sum(t.nbytes for layer in cache.layers for t in layer.store.values())
+    held = sum(t.nbytes for layer in cache.layers for t in layer.held_tensors())
     assert stats["bytes"] == held
     assert stats["full_bytes"] + stats["delta_bytes"] + stats["tail_bytes"] + stats["meta_bytes"] == held
     assert stats["fp16_bytes"] == 2 * 2 * LAYERS * B * H * 64 * D
     assert stats["delta_pages"] == 2 * LAYERS * B * H * 6 and stats["delta_bytes"] > 0
     assert stats["ratio"] > 1.5
-    assert cache.layers[0].store["k_dcodes"].dtype == torch.uint8
+    assert cache.layers[0].pools["k"].dcodes.dtype == torch.uint8
 
 
 def test_thresholds_follow_pressure():
@@ -225,7 +226,7 @@ def test_importance_protects_attended_pages():
     layer = cache.layers[0]
     imp = layer.importance()
     assert imp.shape == (B, H, 4) and torch.allclose(imp[..., 0], torch.ones(B, H))
-    mode = layer.store["k_mode"]
+    mode = layer.pools["k"].mode
     assert (mode[..., 0] == RAW).all()  # protected: kept as it is
     assert (mode[..., 1] == BASE).all() and (mode[..., 2:] == DELTA).all()
     assert importance_weight(torch.tensor(0.9), torch.tensor(0.2)).item() == pytest.approx(0.3)
@@ -248,20 +249,24 @@ def test_page_features():
 
 
 # ---- batch / beam contract -------------------------------------------------------------------------------------------
+def pool_nbytes(layer):
+    return layer.pools["k"].full.nbytes + layer.pools["k"].dcodes.nbytes
+
+
 def test_beam_and_batch_contract():
     cache = CPACCache(config=tiny_config(), page_size=4, recent_pages=1, **ALL_DELTA)
     feed(cache, [17, 1, 22], mass=uniform_mass)
     before = cache.layers[1].materialize()[0]
-    pool_bytes = cache.layers[1].store["k_full"].nbytes + cache.layers[1].store["k_dcodes"].nbytes
+    pool_bytes = pool_nbytes(cache.layers[1])
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(cache.layers[1].materialize()[0], before.flip(0))
     cache.batch_repeat_interleave(2)  # pools are shared, not copied
     assert cache.layers[1].materialize()[0].shape[0] == 4
-    assert cache.layers[1].store["k_full"].nbytes + cache.layers[1].store["k_dcodes"].nbytes == pool_bytes
+    assert pool_nbytes(cache.layers[1]) == pool_bytes
     cache.batch_select_indices(torch.tensor([0, 3]))
     assert torch.equal(cache.layers[1].materialize()[0], before.flip(0)[[0, 1]])
     cache.reorder_cache(torch.tensor([0, 0]))  # row 1 dropped: its pages leave the pools
-    assert cache.layers[1].store["k_full"].nbytes + cache.layers[1].store["k_dcodes"].nbytes < pool_bytes
+    assert pool_nbytes(cache.layers[1]) < pool_bytes
     assert torch.equal(cache.layers[1].materialize()[0], before.flip(0)[[0, 0]])
     feed(cache, [6], mass=uniform_mass)  # keeps working after the remapping
     assert cache.get_seq_length() == 46
@@ -278,13 +283,26 @@ def test_crop_into_compressed_pages():
     cache.crop(-15)  # reaches into the compressed pages: they come back decompressed
     assert cache.get_seq_length() == 22 and layer.n_pages == 5
     assert torch.allclose(layer.materialize()[0], before[:, :, :22], rtol=1e-3, atol=1e-3)  # back in fp16
-    assert cache.memory_stats()["bytes"] == sum(t.nbytes for t in layer.store.values()) + cache.layers[1].nbytes()
+    assert cache.memory_stats()["bytes"] == sum(t.nbytes for t in layer.held_tensors()) + cache.layers[1].nbytes()
     feed(cache, [10], mass=uniform_mass)
     assert cache.get_seq_length() == 32
     with pytest.raises(ValueError, match="cannot crop 50 tokens"):
         cache.crop(-50)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.memory_stats()["bytes"] == 0
+
+
+def test_a_shallow_copy_crops_without_touching_the_original():
+    """The prefix store crops `copy.copy(layer)` before encoding it: the layer it was copied from keeps its pages."""
+    cache = CPACCache(config=tiny_config(), page_size=4, recent_pages=1, **ALL_DELTA)
+    feed(cache, [40], mass=uniform_mass)
+    layer = cache.layers[0]
+    before, held = layer.materialize()[0], cache.memory_stats()["bytes"]
+    snap = copy.copy(layer)
+    snap.crop(-15)
+    assert snap.n_pages == 6 and layer.n_pages == 9
+    assert torch.allclose(snap.materialize()[0], before[:, :, :25], rtol=1e-3, atol=1e-3)  # back in fp16
+    assert torch.equal(layer.materialize()[0], before) and cache.memory_stats()["bytes"] == held
 
 
 def test_without_config_layers_are_created_lazily():

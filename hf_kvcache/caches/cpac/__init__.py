@@ -28,23 +28,20 @@ chunk. With any other attention implementation no mass arrives: the layer notice
 note per cache), compresses from then on right in `update`, and every page's importance is 0 (uniform fallback:
 the weight `1 - |imp_a - imp_b|` is 1 and no page is protected by importance; recent pages still are).
 
-Storage of one layer (`store`), for each of keys (`k_`) and values (`v_`):
-  `tail`  [batch, heads, tail_tokens, D]  full_dtype   tokens not compressed yet
-  `full`  [n_full, P, D]                  full_dtype   pool of base and raw pages
-  `dcodes`[n_delta, packed]               uint8        delta codes (`delta_bits` per element, packed)
-  `dscale`[n_delta, groups]               fp16         delta scales
-  `dzero` [n_delta, groups]               fp16         delta zero points (only with delta_asymmetric=True)
-  `dbase` [n_delta]                       int32        row of `full` each delta is taken against (-1: zero)
-  `slot`  [batch, heads, pages]           int32        row of the page in `full` or in the delta pool
-  `mode`  [batch, heads, pages]           int8         RAW / BASE / DELTA
-and `imp_mass` [batch, heads, all pages] fp32, `imp_obs` [all pages] fp32 (attention received, queries that saw it).
-Pools are shared by batch rows: beam reordering and `batch_repeat_interleave` remap `slot` and never copy a page;
-rows no beam references any more are dropped (`_compact`). Every figure of `memory_stats` is a sum of `nbytes`.
+Storage of one layer (`CPACLayer`): a `PagePool` per stream, `pools["k"]` and `pools["v"]` (`pool.py`: the recent
+tail, a pool of full pages, a pool of quantized deltas, and each (row, head, page)'s slot and mode), plus `imp_mass`
+[batch, heads, all pages] fp32 and `imp_obs` [all pages] fp32 (attention received, queries that saw it). Pools are
+shared by batch rows: beam reordering and `batch_repeat_interleave` remap slots and never copy a page. Every figure
+of `memory_stats` is a sum of `nbytes`.
+
+Modules: `options` (CPACOptions), `features` (page features, similarity, thresholds), `delta` (the delta codec),
+`pool` (PagePool), `layer` (CPACLayer and the shared memory budget), `cache` (CPACCache).
 """
 
 from .cache import CPACCache
 from .delta import decode_delta, encode_delta
-from .layer import BASE, DELTA, RAW, CPACLayer
+from .layer import CPACLayer
 from .options import CPACOptions
+from .pool import BASE, DELTA, RAW, PagePool
 
-__all__ = ["BASE", "DELTA", "RAW", "CPACCache", "CPACLayer", "CPACOptions", "decode_delta", "encode_delta"]
+__all__ = ["BASE", "DELTA", "RAW", "CPACCache", "CPACLayer", "CPACOptions", "PagePool", "decode_delta", "encode_delta"]
