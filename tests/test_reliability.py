@@ -32,7 +32,7 @@ def test_every_cache_works_in_grad_mode(smol, moby_text, name):
     assert model.model.embed_tokens.weight.grad is not None
     model.zero_grad(set_to_none=True)
     for layer in cache.layers:
-        assert not any(t.requires_grad for t in layer.store.values())
+        assert not any(t.requires_grad for t in layer.held_tensors())
 
 
 # ---- 2. switching the attention implementation ------------------------------------------------------------------------
@@ -99,9 +99,9 @@ def test_padding_values_never_change_real_codes(smol, moby_text, cache_class):
         cache.set_padding(mask)
         position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
         model(batch, attention_mask=mask, position_ids=position_ids, past_key_values=cache)
-        stores.append(cache.layers[3].store)
+        stores.append(cache.layers[3].state_tensors())
     assert stores[0].keys() == stores[1].keys()
-    assert any(name.startswith(("warm", "arch")) for name in stores[0])  # quantized tiers are compared
+    assert any(name.startswith(("warm", "archive")) for name in stores[0])  # quantized tiers are compared
     for name in stores[0]:
         if name.startswith(("tail", "sink")):
             continue  # full-precision positions: the padding positions themselves differ there
@@ -136,7 +136,7 @@ def test_tiered_bytes_count_the_rotations(smol, moby_text):
     layer = cache.layers[0]
     rotations = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                  for t in (layer.rot_k, layer.rot_v, layer.unrot_k, layer.unrot_v)}
-    store = sum(t.nbytes for l in cache.layers for t in l.store.values())
+    store = sum(t.nbytes for l in cache.layers for t in l.tiers.tensors())
     # the matrices are shared by every layer (one per size and seed): counted once
     assert cache.memory_stats()["bytes"] == store + sum(rotations.values())
 
@@ -165,7 +165,7 @@ def test_kivi_compresses_on_an_fp32_model(smol, moby_text):
     ids = load_tokens(tok, moby_text, 5000, 330)
     cache = KIVICache(config=model.config)
     model(ids, past_key_values=cache)
-    assert cache.layers[0].store["tail_k"].dtype == torch.float16
+    assert cache.layers[0].tiers.tail.keys.dtype == torch.float16
     assert cache.memory_stats()["ratio"] > 1.85  # measured 1.90 (138 of 330 tokens still in the 16-bit window)
 
 

@@ -38,7 +38,7 @@ def rel(a, b):
 
 
 def raw_counts(layer):
-    return {t: layer._count(name) for t, name in (("archive", "arch_kc"), ("warm", "warm_kc"), ("tail", "tail_k"))}
+    return {t: layer.tiers.tokens(t) for t in ("archive", "warm", "tail")}
 
 
 def test_tokens_flow_through_the_tiers_in_whole_groups():
@@ -66,8 +66,8 @@ def test_archive_groups_can_be_larger():
     raw = raw_counts(cache.layers[0])
     assert raw == {"archive": 128, "warm": 64, "tail": 8}  # warm stays >= 32, archive moves in 64s
     layer = cache.layers[0]
-    assert layer.store["arch_ks"].shape[2] == 128 // 64 and layer.store["warm_ks"].shape[2] == 64 // 16
-    assert layer.store["arch_vs"].shape[3] == 1 and layer.store["warm_vs"].shape[3] == 4  # value groups: 64 / 16 channels
+    assert layer.tiers.archive.keys.scale.shape[2] == 128 // 64 and layer.tiers.warm.keys.scale.shape[2] == 64 // 16
+    assert layer.tiers.archive.values.scale.shape[3] == 1 and layer.tiers.warm.values.scale.shape[3] == 4  # value groups: 64 / 16 channels
 
 
 def test_big_chunks_graduate_at_once():
@@ -101,10 +101,10 @@ def test_codes_are_packed_and_bytes_are_the_tensors_held():
     cache = TieredQuantCache(config=tiny_config(), **{**SMALL, "sink_length": 4})
     feed(cache, [200])
     layer = cache.layers[0]
-    assert layer.store["arch_kc"].shape[-1] == D // 4 and layer.store["warm_kc"].shape[-1] == D // 2
-    assert layer.store["arch_ks"].dtype == torch.float16 and layer.store["arch_ks"].shape[2] == layer.store["arch_kc"].shape[2] // 16
+    assert layer.tiers.archive.keys.codes.shape[-1] == D // 4 and layer.tiers.warm.keys.codes.shape[-1] == D // 2
+    assert layer.tiers.archive.keys.scale.dtype == torch.float16 and layer.tiers.archive.keys.scale.shape[2] == layer.tiers.archive.keys.codes.shape[2] // 16
     stats = cache.memory_stats()
-    held = sum(t.nbytes for lay in cache.layers for t in lay.store.values())
+    held = sum(t.nbytes for lay in cache.layers for t in lay.tiers.tensors())
     assert stats["bytes"] == held == memory_stats(cache)["bytes"]
     assert stats["fp16_bytes"] == 2 * LAYERS * B * H * 200 * 2 * D
     assert stats["ratio"] == pytest.approx(stats["fp16_bytes"] / held)
@@ -186,7 +186,7 @@ def test_beam_and_batch_contract():
     assert torch.equal(cache.layers[1].materialize()[0], before[0].flip(0))
     cache.batch_repeat_interleave(2)
     k, v = cache.layers[0].materialize()
-    assert k.shape[0] == 4 and cache.layers[0].store["arch_ks"].shape[0] == 4
+    assert k.shape[0] == 4 and cache.layers[0].tiers.archive.keys.scale.shape[0] == 4
     cache.batch_select_indices(torch.tensor([0, 3]))
     assert torch.equal(cache.layers[1].materialize()[1], before[1].flip(0))
     feed(cache, [20])  # still appends after the batch changes
@@ -199,9 +199,9 @@ def test_kivi_cache_has_two_tiers():
     cache = KIVICache(config=tiny_config(), residual_length=32, group_size=16)
     feed(cache, [100])
     assert cache.layers[0].tier_tokens() == {"sink": 0, "archive": 64, "warm": 0, "tail": 36}
-    assert cache.layers[0].store["arch_ks"].shape[2] == 64 // 16  # KIVI: one group size, 16 tokens per key group
-    assert cache.layers[0].store["arch_vs"].shape[3] == D // 16 and cache.layers[0].store["tail_k"].dtype == torch.float16  # 16-bit window, as the tiered tail
-    assert cache.layers[0].store["arch_kc"].shape[-1] == D // 4
+    assert cache.layers[0].tiers.archive.keys.scale.shape[2] == 64 // 16  # KIVI: one group size, 16 tokens per key group
+    assert cache.layers[0].tiers.archive.values.scale.shape[3] == D // 16 and cache.layers[0].tiers.tail.keys.dtype == torch.float16  # 16-bit window, as the tiered tail
+    assert cache.layers[0].tiers.archive.keys.codes.shape[-1] == D // 4
     assert isinstance(build_cache("kivi", tiny_config()), KIVICache)
     assert isinstance(build_cache("tiered", tiny_config()), TieredQuantCache)
 
@@ -227,7 +227,7 @@ def test_recipes_reconstruct(options):
 def test_low_precision_tail():
     cache = TieredQuantCache(config=tiny_config(), **{**SMALL, "tail_dtype": "auto"})
     k, _ = feed(cache, [60])
-    assert cache.layers[0].store["tail_k"].dtype == torch.float16  # "auto": 16 bits for an fp32 model
+    assert cache.layers[0].tiers.tail.keys.dtype == torch.float16  # "auto": 16 bits for an fp32 model
     assert cache.layers[0].materialize()[0].dtype == torch.float32
 
 
@@ -252,7 +252,7 @@ def test_without_config_layers_are_created_lazily():
 @pytest.mark.parametrize(
     "options,match",
     [
-        (dict(archive_quantizer="hqq"), r"archive_quantizer='hqq' is not valid; choose one of \['kivi'\]"),
+        (dict(archive_quantizer="hqq"), r"archive_quantizer='hqq' is not valid; choose one of \['kivi', 'kvquant'\]"),
         (dict(key_axis="head"), r"key_axis='head' is not valid; choose one of \['channel', 'token'\]"),
         (dict(rotation="queries"), r"rotation='queries' is not valid; choose one of \['auto', 'none', 'keys', 'values', 'both'\]"),
         (dict(tail_dtype="int8"), r"tail_dtype='int8' is not valid; choose one of \['auto', None, 'float32'"),

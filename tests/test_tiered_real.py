@@ -73,7 +73,7 @@ def test_left_padded_batch(smol, pydoc_text, moby_text):
                          return_dict_in_generate=True, **kw)
     assert out.sequences.shape == (2, width + 8)
     layer = out.past_key_values.layers[0]
-    assert layer.store["arch_kc"].shape[0] == 2 and layer.store["arch_kc"].shape[-1] == 64 // 4
+    assert layer.tiers.archive.keys.codes.shape[0] == 2 and layer.tiers.archive.keys.codes.shape[-1] == 64 // 4
 
 
 @pytest.mark.parametrize("name,options", [("tiered", SMALL), ("kivi", SMALL_KIVI)])

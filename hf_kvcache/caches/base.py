@@ -186,7 +186,7 @@ class CompressedLayer(DynamicLayer):
         return self.attention_segments()
 
     def _empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        b = next(iter(self.store.values())).shape[0]
+        b = self.batch_size()
         kw = dict(dtype=self.dtype, device=self.device)
         return (torch.empty(b, self.num_heads, tokens, self.head_dim, **kw),
                 torch.empty(b, self.num_heads, tokens, self.value_dim, **kw))
@@ -214,6 +214,15 @@ class CompressedLayer(DynamicLayer):
     def tokens_held(self) -> int:
         first = next(iter(self.store.values()), None)
         return 0 if first is None else first.shape[2]
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the layer stores, by name (what the lossless codec writes)."""
+        return dict(self.store)
+
+    def batch_size(self) -> int:
+        """Rows held (0 before the first update)."""
+        first = next(iter(self.store.values()), None)
+        return 0 if first is None else first.shape[0]
 
     def _map_store(self, fn) -> None:
         self.store = {name: fn(t) for name, t in self.store.items()}
@@ -277,7 +286,7 @@ class CompressedLayer(DynamicLayer):
         """Bytes a plain fp16 cache would hold for the tokens this layer has seen."""
         if not self.is_initialized:
             return 0
-        batch = next(iter(self.store.values())).shape[0] if self.store else 0
+        batch = self.batch_size()
         tokens = self.cumulative_length
         if self.sliding_window is not None:  # what transformers' sliding layer keeps
             tokens = min(tokens, self.sliding_window - 1)

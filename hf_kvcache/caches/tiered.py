@@ -32,20 +32,21 @@ from typing import Any
 import torch
 
 from ..options import CacheOptions, check_choice, check_positive_int
-from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi, quantize_kivi, slice_tokens
+from ..quant.kivi import AXES, dequantize_kivi, quantize_kivi
+from ..quant.kvquant import NUQQuantized, apply_rope, dequantize_nuq, fit_codebook, quantize_nuq, rope_cos_sin, undo_rope
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
 from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
 from .base import CompressedCache, CompressedLayer, memory_stats
+from .tiers import LayerTiers, PlainTier, QuantTier
 
-QUANTIZERS = ("kivi",)
+QUANTIZERS = ("kivi", "kvquant")
 ROTATIONS = ("auto", *ROTATION_CANDIDATES)
 TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
 ROTATION_DTYPES = (None, "bfloat16")
 CLIP_TARGETS = ("keys", "values", "both")
 TIERS = ("sink", "archive", "warm", "tail")
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
-_FIELDS = ("kc", "ks", "kz", "vc", "vs", "vz")  # codes, scale, zero of keys and values
 
 
 def _check_nonneg_int(name: str, value: Any) -> None:
@@ -89,7 +90,10 @@ class TieredQuantOptions(CacheOptions):
     - archive_group_size: the same for the archive (a multiple of group_size; None: group_size)
     - value_group_size: channels per value group in both tiers (None: the tier's group size, at most head_dim)
     - sink_length: first tokens of the sequence kept in full precision (attention sinks)
-    - archive_quantizer: "kivi"
+    - archive_quantizer: "kivi" (uniform min/max codes) or "kvquant": non-uniform levels fitted per KV head and
+      channel on the first positions archived, keys quantized before RoPE (undone with the model's rope_theta, put
+      back at read), the `archive_outliers` fraction of each token's most extreme entries kept exactly in fp16
+    - archive_outliers: that fraction (kvquant only)
     - key_axis: "channel" (KIVI) or "token" (ablation: keys quantized per token like values)
     - rotation: randomized Hadamard rotation of the head dim before quantizing: "none", "keys", "values", "both",
       or "auto": each layer picks one of those from its own keys, values and queries on its first prefill
@@ -116,6 +120,7 @@ class TieredQuantOptions(CacheOptions):
     value_group_size: int | None = None
     sink_length: int = 4
     archive_quantizer: str = "kivi"
+    archive_outliers: float = 0.01
     key_axis: str = "channel"
     rotation: str = "auto"
     rotation_dtype: str | None = "bfloat16"
@@ -132,6 +137,10 @@ class TieredQuantOptions(CacheOptions):
         _check_bits("warm_bits", self.warm_bits)
         _check_bits("archive_bits", self.archive_bits)
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
+        if isinstance(self.archive_outliers, bool) or not isinstance(self.archive_outliers, (int, float)) or not (
+            0.0 <= self.archive_outliers < 0.5
+        ):
+            raise ValueError(f"archive_outliers must be a fraction in [0, 0.5), got {self.archive_outliers!r}")
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
         check_positive_int("calibration_queries", self.calibration_queries)
@@ -224,6 +233,11 @@ class TieredQuantLayer(CompressedLayer):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.dropped = 0
+        self.tiers = LayerTiers()
+        # a KVQuant archive: the (keys, values) codebooks fitted on the first positions archived, and the RoPE base
+        # its keys are un-rotated with (set by the cache from the model config)
+        self.codebooks: tuple | None = None
+        self.rope_theta: float | None = None
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
         self.plan: TieredQuantOptions = self._plan()
@@ -267,9 +281,12 @@ class TieredQuantLayer(CompressedLayer):
         else:
             self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
+        if self._nuq_archive() and self.rope_theta is None:
+            raise ValueError("archive_quantizer='kvquant' undoes RoPE with the model's rope_theta: build the cache "
+                             "with the model config, TieredQuantCache(config=model.config, ...)")
         if self.recipe is None and p.rotation != "auto":
             self.recipe = LayerRecipe(p.rotation)
-        self.calibrating = self.recipe is None and len(self._rotation_candidates()) > 1
+        self.calibrating = self.recipe is None and len(self._rotation_candidates()) > 1 and bool(self._kivi_tiers())
         if self.recipe is None and not self.calibrating:
             self.recipe = LayerRecipe("none")
         self.query_window = p.calibration_queries if self.calibrating else 0
@@ -308,11 +325,18 @@ class TieredQuantLayer(CompressedLayer):
         if queries is None or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
             self.recipe = LayerRecipe("none", {}, "no-queries")
         else:
-            tiers = ("warm", "arch") if self.plan.warm_length and self.specs["warm"] != self.specs["arch"] else ("arch",)
             self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
-                                        self._rotation_candidates(), tiers)
+                                        self._rotation_candidates(), self._kivi_tiers())
         self._set_rotation(self.recipe.rotation)
         self.calibrating, self.query_window, self._calib_queries = False, 0, None
+
+    def _kivi_tiers(self) -> tuple[str, ...]:
+        """The tiers a rotation applies to (KIVI-quantized ones), each distinct spec once."""
+        p = self.plan
+        tiers = ("warm",) if p.warm_length else ()
+        if not self._nuq_archive() and not (tiers and self.specs["warm"] == self.specs["arch"]):
+            tiers += ("arch",)
+        return tiers
 
     def _roundtrip(self, keys: torch.Tensor, values: torch.Tensor, rotation: str, tier: str = "arch"):
         """`keys`/`values` of positions `[0, T)` as `tier` ("warm" or "arch") would return them under `rotation`:
@@ -323,8 +347,8 @@ class TieredQuantLayer(CompressedLayer):
         m = (keys.shape[2] - self.plan.tail_length) // g * g
         k_out, v_out = keys.float().clone(), values.float().clone()
         if m > 0:
-            qk, qv = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), tier)
-            k_out[:, :, :m], v_out[:, :, :m] = self._dequantize(qk, qv)
+            q = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), tier)
+            k_out[:, :, :m], v_out[:, :, :m] = self._dequantize(q, 0)
             n_sink = min(self.plan.sink_length, m)
             k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
         return k_out, v_out
@@ -342,68 +366,60 @@ class TieredQuantLayer(CompressedLayer):
     supports_sliding = True
 
     def reset(self) -> None:
-        """Forget the held tokens; a recipe chosen by calibration stays (it belongs to the model, not the text)."""
+        """Forget the held tokens; a recipe chosen by calibration and fitted codebooks stay (they belong to the
+        model, not the text)."""
         super().reset()
+        self.tiers = LayerTiers()
         self.plan = self._plan()
         self.dropped = 0
         self._calib_waited, self._calib_queries = False, None
 
     # ---- tier bookkeeping ---------------------------------------------------------------------------------------
-    def _count(self, name: str) -> int:
-        t = self.store.get(name)
-        return 0 if t is None else t.shape[2]
-
     def tokens_held(self) -> int:
-        return self._count("arch_kc") + self._count("warm_kc") + self._count("tail_k")
+        return self.tiers.held()
+
+    def batch_size(self) -> int:
+        return self.tiers.batch()
+
+    def _map_store(self, fn) -> None:
+        self.tiers = self.tiers.map_rows(fn)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.tiers.state()[1]
+
+    def load_tiers(self, tiers: LayerTiers) -> None:
+        """Put back tiers read from `state_tensors` / `tiers.state()` (the codec's restore), codebooks included."""
+        self.tiers = tiers
+        if tiers.archive is not None and isinstance(tiers.archive.keys, NUQQuantized):
+            self.codebooks = (tiers.archive.keys.codebook, tiers.archive.values.codebook)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        """The stored tiers (codebooks included) plus the rotation matrices (and their transposes) the layer reads
+        them with."""
+        extra = [t for t in (getattr(self, n, None) for n in ("rot_k", "rot_v", "unrot_k", "unrot_v"))
+                 if t is not None]
+        return [*self.tiers.tensors(), *extra]
 
     def tier_tokens(self) -> dict[str, int]:
         """Positions each tier serves (a sink position counts as a sink, not in the tier under it)."""
-        sink = self._count("sink_k")
+        t = self.tiers
+        sink = t.tokens("sink")
         out, lo = {"sink": sink}, 0
-        for tier, name in (("archive", "arch_kc"), ("warm", "warm_kc"), ("tail", "tail_k")):
-            hi = lo + self._count(name)
+        for tier in ("archive", "warm", "tail"):
+            hi = lo + t.tokens(tier)
             out[tier] = hi - lo - max(0, min(hi, sink) - lo)
             lo = hi
         return out
 
-    def _get_tier(self, tier: str) -> tuple[KIVIQuantized, KIVIQuantized] | None:
-        s = self.store
-        if f"{tier}_kc" not in s:
-            return None
-        ka, va = self._qargs(tier)
-        k = KIVIQuantized(s[f"{tier}_kc"], s[f"{tier}_ks"], s[f"{tier}_kz"], ka["bits"], ka["group_size"], ka["axis"],
-                          self.head_dim)
-        v = KIVIQuantized(s[f"{tier}_vc"], s[f"{tier}_vs"], s[f"{tier}_vz"], va["bits"], va["group_size"], "token",
-                          self.value_dim)
-        return k, v
-
-    def _set_tier(self, tier: str, k: KIVIQuantized, v: KIVIQuantized) -> None:
-        """Replace a tier by (a slice of) itself; copies, so that no slice keeps the old storage alive."""
-        if k.tokens == 0:
-            for f in _FIELDS:
-                self.store.pop(f"{tier}_{f}", None)
-            return
-        for f, t in zip(_FIELDS, (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)):
-            self.store[f"{tier}_{f}"] = t.clone()
-
-    def _append_tier(self, tier: str, k: KIVIQuantized, v: KIVIQuantized) -> None:
-        s = self.store
-        for f, t in zip(_FIELDS, (k.codes, k.scale, k.zero, v.codes, v.scale, v.zero)):
-            name = f"{tier}_{f}"
-            s[name] = torch.cat([s[name], t], dim=2) if name in s else t.contiguous()
-
-    def _set_plain(self, tier: str, k: torch.Tensor, v: torch.Tensor) -> None:
-        if k.shape[2] == 0:
-            self.store.pop(f"{tier}_k", None)
-            self.store.pop(f"{tier}_v", None)
-        else:
-            self.store[f"{tier}_k"], self.store[f"{tier}_v"] = k, v
+    @staticmethod
+    def _plain(k: torch.Tensor, v: torch.Tensor) -> PlainTier | None:
+        return PlainTier(k, v) if k.shape[2] else None
 
     # ---- quantize / dequantize ----------------------------------------------------------------------------------
     def _mask_outside(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """`x` holds positions `start..` of every row: give its sink positions the values of the first non-sink
         position (or 0), and each row's left-padding positions the values of its first real position, so that
-        neither widens its group's range (the sinks' real values live in the sink store; padding is never
+        neither widens its group's range (the sinks' real values live in the sink tier; padding is never
         attended)."""
         n = x.shape[2]
         n_sink = min(self.plan.sink_length, start + n) - start
@@ -420,43 +436,76 @@ class TieredQuantLayer(CompressedLayer):
             x = torch.where(pads, fill, x)
         return x
 
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str):
+    def _nuq_archive(self) -> bool:
+        return self.plan.archive_quantizer == "kvquant"
+
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str, start: int = 0) -> QuantTier:
+        """Quantize positions `start..` for `tier` ("warm" or "arch"): KIVI codes in the rotated basis, or, for a
+        KVQuant archive, nuq codes of the pre-RoPE keys and of the values."""
+        if tier == "arch" and self._nuq_archive():
+            if self.codebooks is None:
+                self._fit_codebooks(keys, values, start)
+            return QuantTier(quantize_nuq(self._rope(keys.float(), start, undo=True), self.codebooks[0]),
+                             quantize_nuq(values.float(), self.codebooks[1]))
         if self.rot_k is not None:
             keys = keys.float() @ self.rot_k
         if self.rot_v is not None:
             values = values.float() @ self.rot_v
         ka, va = self._qargs(tier)
-        return quantize_kivi(keys, **ka), quantize_kivi(values, **va)
+        return QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
 
-    def _dequantize(self, k: KIVIQuantized, v: KIVIQuantized, rotated: bool = False):
-        """Float32 keys and values of (a slice of) a quantized tier (still rotated when `rotated`)."""
-        keys, values = dequantize_kivi(k), dequantize_kivi(v)
+    def _fit_codebooks(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Per KV head and channel nuq levels (`hf_kvcache.quant.kvquant`) fitted on positions `start..` (the first
+        ones archived, and while there is one, the warm tier after them), kept for later sequences too."""
+        p, g = self.plan, self.plan.archive_group
+        if self.tiers.warm is not None:
+            wk, wv = self._dequantize(self.tiers.warm, start + keys.shape[2])
+            keys, values = torch.cat([keys.float(), wk], 2), torch.cat([values.float(), wv], 2)
+        n = keys.shape[2] // g * g
+        bits = self.specs["arch"].bits
+        self.codebooks = (
+            fit_codebook(self._rope(keys[:, :, :n].float(), start, undo=True), bits, "channel", g, p.archive_outliers),
+            fit_codebook(values[:, :, :n].float(), bits, "token", p.value_group_size, p.archive_outliers),
+        )
+
+    def _dequantize(self, q: QuantTier, start: int, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float32 keys and values of (a slice of) a quantized tier that starts at position `start` (KIVI tiers still
+        rotated when `rotated`)."""
+        if isinstance(q.keys, NUQQuantized):
+            return self._rope(dequantize_nuq(q.keys), start), dequantize_nuq(q.values)
+        keys, values = dequantize_kivi(q.keys), dequantize_kivi(q.values)
         if not rotated:  # un-rotated exactly as `materialize_into` does it, so a reopened group reads back what attention saw
             dt = self.rot_dtype
             keys = keys if self.rot_k is None else (keys.to(dt) @ self.unrot_k).float()
             values = values if self.rot_v is None else (values.to(dt) @ self.unrot_v).float()
         return keys, values
 
+    def _rope(self, keys: torch.Tensor, start: int, undo: bool = False) -> torch.Tensor:
+        """RoPE of positions `start..` applied to (or, `undo`, taken off) `keys` `[batch, heads, tokens, dim]`
+        (float32): the default rotary frequencies of `rope_theta`. Undo and apply are exact inverses, so a scaled
+        RoPE the model uses only makes the archived keys less exactly pre-RoPE, never wrong."""
+        pos = torch.arange(start, start + keys.shape[2], device=keys.device)
+        cos, sin = rope_cos_sin(pos, keys.shape[-1], self.rope_theta)
+        return (undo_rope if undo else apply_rope)(keys, cos, sin)
+
+    def _tier_starts(self) -> dict[str, int]:
+        a = self.dropped
+        return {"archive": a, "warm": a + self.tiers.tokens("archive")}
+
     # ---- storing ------------------------------------------------------------------------------------------------
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        p, s = self.plan, self.store
-        key_states = key_states.to(self.tail_dtype)
-        value_states = value_states.to(self.tail_dtype)
+        p, t = self.plan, self.tiers
+        new = PlainTier(key_states.to(self.tail_dtype), value_states.to(self.tail_dtype))
         held = self.tokens_held()
         if held < p.sink_length:
-            m = min(p.sink_length - held, key_states.shape[2])
-            sk, sv = key_states[:, :, :m], value_states[:, :, :m]
-            if "sink_k" in s:
-                sk, sv = torch.cat([s["sink_k"], sk], 2), torch.cat([s["sink_v"], sv], 2)
-            self._set_plain("sink", sk.contiguous(), sv.contiguous())
-        if "tail_k" in s:
-            tail_k, tail_v = torch.cat([s["tail_k"], key_states], 2), torch.cat([s["tail_v"], value_states], 2)
-        else:
-            tail_k, tail_v = key_states.contiguous(), value_states.contiguous()
+            m = min(p.sink_length - held, new.tokens)
+            sink = PlainTier(new.keys[:, :, :m].contiguous(), new.values[:, :, :m].contiguous())
+            t.sink = sink if t.sink is None else t.sink.cat(sink)
+        tail = new if t.tail is None else t.tail.cat(new)
         unit = p.group_size if p.warm_length else p.archive_group
-        excess = tail_k.shape[2] - p.tail_length
+        excess = tail.tokens - p.tail_length
         if excess >= unit and self.calibrating:
-            before = tail_k.shape[2] - key_states.shape[2]  # positions the queries seen so far end at
+            before = tail.tokens - new.tokens  # positions the queries seen so far end at
             queries = self._calib_queries
             first_wait = queries is None and not self._calib_waited
             # the first forward's queries reach the layer after this update; then wait until enough positions (at
@@ -464,91 +513,99 @@ class TieredQuantLayer(CompressedLayer):
             short = queries is not None and before < p.tail_length + CALIBRATION_GROUPS * p.archive_group
             if first_wait or short:
                 self._calib_waited = True
-                self._set_plain("tail", tail_k, tail_v)
+                t.tail = tail
                 return
-            self._calibrate(tail_k[:, :, :before], tail_v[:, :, :before])
+            self._calibrate(tail.keys[:, :, :before], tail.values[:, :, :before])
         if excess >= unit:
             m = excess // unit * unit
-            self._graduate(tail_k[:, :, :m], tail_v[:, :, :m])
-            tail_k, tail_v = tail_k[:, :, m:].clone(), tail_v[:, :, m:].clone()
-        self._set_plain("tail", tail_k, tail_v)
+            self._graduate(tail.keys[:, :, :m], tail.values[:, :, :m])
+            tail = tail.slice(m)
+        t.tail = tail
         self._drop_outside_window()
 
     def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""
-        p = self.plan
-        start = self.dropped + self._count("arch_kc") + self._count("warm_kc")
+        p, t = self.plan, self.tiers
+        start = self.dropped + t.tokens("archive") + t.tokens("warm")
         keys, values = self._mask_outside(keys, start), self._mask_outside(values, start)
         if p.warm_length == 0:
-            self._append_tier("arch", *self._quantize(keys, values, "arch"))
+            self._append_archive(self._quantize(keys, values, "arch", start))
             return
-        self._append_tier("warm", *self._quantize(keys, values, "warm"))
+        q = self._quantize(keys, values, "warm")
+        t.warm = q if t.warm is None else t.warm.cat(q)
         ga = p.archive_group
-        excess = self._count("warm_kc") - p.warm_length
+        excess = t.warm.tokens - p.warm_length
         if excess < ga:
             return
         m = excess // ga * ga
-        k, v = self._get_tier("warm")
-        old = slice_tokens(k, 0, m), slice_tokens(v, 0, m)
-        self._set_tier("warm", slice_tokens(k, m), slice_tokens(v, m))
-        if self.specs["warm"] == self.specs["arch"]:
-            self._append_tier("arch", *old)
+        old, t.warm = t.warm.slice(0, m), t.warm.slice(m)
+        if self.specs["warm"] == self.specs["arch"] and not self._nuq_archive():
+            self._append_archive(old)
             return
-        # re-quantized from the warm values (full precision is gone by now), in the rotated basis
-        rk, rv = self._dequantize(*old, rotated=True)
-        ka, va = self._qargs("arch")
-        self._append_tier("arch", quantize_kivi(rk, **ka), quantize_kivi(rv, **va))
+        # re-quantized from the warm values (full precision is gone by now): in the rotated basis for KIVI, as plain
+        # keys for a KVQuant archive (which undoes their RoPE)
+        start = self._tier_starts()["archive"] + t.tokens("archive")
+        nuq = self._nuq_archive()
+        rk, rv = self._dequantize(old, start, rotated=not nuq)
+        if nuq:
+            self._append_archive(self._quantize(rk, rv, "arch", start))
+        else:
+            ka, va = self._qargs("arch")
+            self._append_archive(QuantTier(quantize_kivi(rk, **ka), quantize_kivi(rv, **va)))
+
+    def _append_archive(self, q: QuantTier) -> None:
+        t = self.tiers
+        t.archive = q if t.archive is None else t.archive.cat(q)
 
     def _drop_outside_window(self) -> None:
         """Sliding layers: drop the archive's oldest whole groups that no later query can attend (a query at
         position P sees keys after P - sliding_window)."""
-        if not self.is_sliding or "arch_kc" not in self.store:
+        t = self.tiers
+        if not self.is_sliding or t.archive is None:
             return
         g = self.plan.archive_group
         first_visible = self.cumulative_length - self.sliding_window + 1
-        m = min(self._count("arch_kc"), max(0, first_visible - self.dropped)) // g * g
+        m = min(t.archive.tokens, max(0, first_visible - self.dropped)) // g * g
         if m:
-            k, v = self._get_tier("arch")
-            self._set_tier("arch", slice_tokens(k, m), slice_tokens(v, m))
+            t.archive = t.archive.slice(m) if m < t.archive.tokens else None
             self.dropped += m
 
     # ---- reading ------------------------------------------------------------------------------------------------
     def _dequantize_tiers_into(self, out_k: torch.Tensor, out_v: torch.Tensor) -> int:
         """Dequantize archive then warm into the first positions of `out_k` / `out_v`; returns how many.
 
-        A rotated tensor is dequantized into a contiguous scratch buffer (in `rotation_dtype`) and un-rotated with one
-        matmul over all its tokens, written back into `out`."""
-        tiers = [kv for kv in (self._get_tier("arch"), self._get_tier("warm")) if kv is not None]
-        q = sum(kv[0].tokens for kv in tiers)
-        if not q:
-            return 0
-        for which, out, rot in ((0, out_k, self.unrot_k), (1, out_v, self.unrot_v)):
-            target = out[:, :, :q] if rot is None else torch.empty(
-                *out.shape[:2], q, out.shape[3], dtype=self.rot_dtype, device=out.device
-            )
-            pos = 0
-            for kv in tiers:
-                n = kv[which].tokens
-                dequantize_kivi(kv[which], out=target[:, :, pos : pos + n])
+        A rotated KIVI tier is dequantized into a contiguous scratch buffer (in `rotation_dtype`) and un-rotated with
+        one matmul over all its tokens, written back into `out`; a KVQuant archive gets its RoPE back."""
+        pos, starts = 0, self._tier_starts()
+        for name in ("archive", "warm"):
+            q = getattr(self.tiers, name)
+            if q is None:
+                continue
+            n = q.tokens
+            if isinstance(q.keys, NUQQuantized):
+                k, v = self._dequantize(q, starts[name])
+                out_k[:, :, pos : pos + n].copy_(k)
+                out_v[:, :, pos : pos + n].copy_(v)
                 pos += n
-            if rot is not None:
-                flat = torch.mm(target.view(-1, target.shape[-1]), rot)
-                out[:, :, :q].copy_(flat.view(target.shape))
-        return q
+                continue
+            for part, out, rot in ((q.keys, out_k, self.unrot_k), (q.values, out_v, self.unrot_v)):
+                if rot is None:
+                    dequantize_kivi(part, out=out[:, :, pos : pos + n])
+                    continue
+                scratch = torch.empty(*out.shape[:2], n, out.shape[3], dtype=self.rot_dtype, device=out.device)
+                dequantize_kivi(part, out=scratch)
+                out[:, :, pos : pos + n].copy_(torch.mm(scratch.view(-1, scratch.shape[-1]), rot).view(scratch.shape))
+            pos += n
+        return pos
 
     def materialize_into(self, out_k: torch.Tensor, out_v: torch.Tensor) -> None:
         """Dequantize the held tokens straight into `out_k` / `out_v` (`[batch, kv_heads, held, dim]`)."""
-        s = self.store
+        t = self.tiers
         pos = self._dequantize_tiers_into(out_k, out_v)
-        if "tail_k" in s:
-            n = s["tail_k"].shape[2]
-            out_k[:, :, pos : pos + n].copy_(s["tail_k"])
-            out_v[:, :, pos : pos + n].copy_(s["tail_v"])
-            pos += n
-        if "sink_k" in s:
-            n = s["sink_k"].shape[2]
-            out_k[:, :, :n].copy_(s["sink_k"])
-            out_v[:, :, :n].copy_(s["sink_v"])
+        for plain, at in ((t.tail, pos), (t.sink, 0)):
+            if plain is not None:
+                out_k[:, :, at : at + plain.tokens].copy_(plain.keys)
+                out_v[:, :, at : at + plain.tokens].copy_(plain.values)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         out_k, out_v = self._empty(self.tokens_held())
@@ -560,21 +617,21 @@ class TieredQuantLayer(CompressedLayer):
         sinks as an overlay of the positions they replace in a quantized tier (while the sinks are still in the tail,
         the tail holds them exactly and no overlay is needed). Rotated tiers carry their rotation: the attention
         rotates the queries instead of un-rotating the keys. None (the layer then hands over dequantized tensors)
-        for the per-token-keys ablation."""
-        if self.plan.key_axis != "channel" or self.head_dim != self.value_dim:
+        for the per-token-keys ablation and a KVQuant archive."""
+        t = self.tiers
+        if self.plan.key_axis != "channel" or self.head_dim != self.value_dim or self._nuq_archive():
             return None
-        s, segments = self.store, []
-        for tier in ("arch", "warm"):
-            kv = self._get_tier(tier)
-            if kv is not None:
-                k, v = kv
+        segments = []
+        for q in (t.archive, t.warm):
+            if q is not None:
+                k, v = q.keys, q.values
                 segments.append(QuantSegment(k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, k.bits, v.bits,
                                              k.group_size, v.group_size, self.head_dim, self.rot_k, self.rot_v))
-        if "tail_k" in s:
-            segments.append(FullSegment(s["tail_k"], s["tail_v"]))
-        overlaid = min(self._count("sink_k"), self._count("arch_kc") + self._count("warm_kc"))
+        if t.tail is not None:
+            segments.append(FullSegment(t.tail.keys, t.tail.values))
+        overlaid = min(t.tokens("sink"), t.tokens("archive") + t.tokens("warm"))
         if overlaid:
-            segments.append(FullSegment(s["sink_k"][:, :, :overlaid], s["sink_v"][:, :, :overlaid], overlay_at=0))
+            segments.append(FullSegment(t.sink.keys[:, :, :overlaid], t.sink.values[:, :, :overlaid], overlay_at=0))
         return segments
 
     # ---- batch / beam contract ----------------------------------------------------------------------------------
@@ -582,51 +639,38 @@ class TieredQuantLayer(CompressedLayer):
         """Tail tokens are simply dropped. A crop that reaches into a quantized tier reopens the groups it cuts: their
         surviving tokens go back to the tail as their dequantized values (and are quantized again when they
         graduate). Sinks past the new end are dropped too."""
-        s = self.store
-        tail = self._count("tail_k")
-        cut = min(n, tail)
+        t = self.tiers
+        cut = min(n, t.tokens("tail"))
         if cut:
-            self._set_plain("tail", s["tail_k"][:, :, : tail - cut].clone(), s["tail_v"][:, :, : tail - cut].clone())
+            t.tail = t.tail.slice(0, t.tail.tokens - cut) if cut < t.tail.tokens else None
             n -= cut
-        for tier in ("warm", "arch"):
-            if n == 0:
-                break
-            kv = self._get_tier(tier)
-            if kv is None:
+        for name in ("warm", "archive"):
+            q = getattr(t, name)
+            if n == 0 or q is None:
                 continue
-            g = self.plan.group_size if tier == "warm" else self.plan.archive_group
-            count = kv[0].tokens
+            g = self.plan.group_size if name == "warm" else self.plan.archive_group
+            count = q.tokens
             reopen = min(-(-n // g) * g, count)
             drop = min(n, reopen)
-            opened = slice_tokens(kv[0], count - reopen), slice_tokens(kv[1], count - reopen)
-            self._set_tier(tier, slice_tokens(kv[0], 0, count - reopen), slice_tokens(kv[1], 0, count - reopen))
+            start = self._tier_starts()[name] + count - reopen
+            opened = q.slice(count - reopen)
+            setattr(t, name, q.slice(0, count - reopen) if reopen < count else None)
             n -= drop
             if reopen > drop:  # n is 0 now and the tail is empty: the survivors become the tail
-                k, v = self._dequantize(*opened)
-                keep = reopen - drop
-                dt = self.tail_dtype
-                self._set_plain("tail", k[:, :, :keep].to(dt).contiguous(), v[:, :, :keep].to(dt).contiguous())
-        sink, end = self._count("sink_k"), self.tokens_held()
-        if sink > end:
-            self._set_plain("sink", s["sink_k"][:, :, :end].clone(), s["sink_v"][:, :, :end].clone())
+                k, v = self._dequantize(opened, start)
+                keep, dt = reopen - drop, self.tail_dtype
+                t.tail = PlainTier(k[:, :, :keep].to(dt).contiguous(), v[:, :, :keep].to(dt).contiguous())
+        end = self.tokens_held()
+        if t.tokens("sink") > end:
+            t.sink = t.sink.slice(0, end) if end else None
 
     # ---- accounting ---------------------------------------------------------------------------------------------
-    def held_tensors(self) -> list[torch.Tensor]:
-        """The stored tiers plus the rotation matrices (and their transposes) the layer reads them with."""
-        extra = [t for t in (getattr(self, n, None) for n in ("rot_k", "rot_v", "unrot_k", "unrot_v"))
-                 if t is not None]
-        return [*self.store.values(), *extra]
-
     def tier_stats(self) -> dict[str, dict[str, int]]:
         """Bytes held and positions served by each tier of this layer."""
         tokens = self.tier_tokens()
-        prefix = {"sink": "sink_", "archive": "arch_", "warm": "warm_", "tail": "tail_"}
         return {
-            tier: {
-                "bytes": sum(t.nbytes for name, t in self.store.items() if name.startswith(prefix[tier])),
-                "tokens": tokens[tier],
-            }
-            for tier in TIERS
+            name: {"bytes": sum(x.nbytes for x in tier.tensors()) if tier is not None else 0, "tokens": tokens[name]}
+            for name, tier in ((n, getattr(self.tiers, n)) for n in TIERS)
         }
 
 
@@ -642,6 +686,21 @@ class KIVILayer(TieredQuantLayer):
         return self.options.as_tiered()
 
 
+def rope_thetas(config: Any) -> list[float | None]:
+    """Per model layer, the RoPE base of its layer type (`config.rope_parameters`, flat or keyed by layer type; older
+    configs: `rope_theta`), None where the config names none."""
+    text = config.get_text_config(decoder=True)
+    n = text.num_hidden_layers
+    types = getattr(text, "layer_types", None) or ["full_attention"] * n
+    params = getattr(text, "rope_parameters", None) or {}
+    out = []
+    for t in types[:n]:
+        p = params.get(t, params) if isinstance(params.get(t), dict) else params
+        theta = p.get("rope_theta", getattr(text, "rope_theta", None))
+        out.append(None if theta is None else float(theta))
+    return out
+
+
 class TieredQuantCache(CompressedCache):
     """Hot tail + 4-bit warm + 2-bit archive (KIVI). `TieredQuantCache(config=model.config, tail_length=64)`."""
 
@@ -651,6 +710,10 @@ class TieredQuantCache(CompressedCache):
 
     def __init__(self, config=None, **options: Any) -> None:
         super().__init__(config, **options)
+        if config is not None:
+            for layer, theta in zip(self.layers, rope_thetas(config)):
+                if isinstance(layer, TieredQuantLayer):
+                    layer.rope_theta = theta
         recipes = getattr(self.options, "recipes", None)
         if recipes is not None:
             if len(recipes) != len(self.layers):

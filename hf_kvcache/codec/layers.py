@@ -4,8 +4,8 @@
   codes these): hf-kvcache layers through `materialize()`, transformers layers through `.keys` / `.values`.
 * `LAYER_CODECS`: for the lossless codec, per exact layer class, `state(layer) -> LayerState` (scalars + every tensor
   the layer keeps) and `restore(layer, state)` (refill a freshly built layer of that class). hf-kvcache layers keep
-  all their tensors in `layer.store`; the derived state (rotation matrices, tier specs, dtypes) is rebuilt by calling
-  `layer.lazy_initialization` with empty tensors of the stored shapes, then the store is put back. When a layer
+  their tensors by name (`layer.state_tensors()`; tiered layers as typed tiers, `caches.tiers`); the derived state (rotation matrices, tier specs, dtypes) is rebuilt by calling
+  `layer.lazy_initialization` with empty tensors of the stored shapes, then the tensors are put back. When a layer
   class changes how it keeps its tensors, only its adapter here changes.
 """
 
@@ -19,6 +19,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..caches.base import CompressedLayer
 from ..caches.tiered import KIVILayer, TieredQuantLayer
+from ..caches.tiers import LayerTiers
 from ..caches.uniform import UniformQuantLayer
 
 
@@ -74,12 +75,12 @@ def _store_state(layer: CompressedLayer) -> LayerState:
         "num_heads": layer.num_heads,
         "head_dim": layer.head_dim,
         "value_dim": layer.value_dim,
-        "batch": next(iter(layer.store.values())).shape[0] if layer.store else 0,
+        "batch": layer.batch_size(),
     }
     # every other plain attribute (flags, counters, names) the layer keeps, so that state a layer class adds later
     # travels too; objects and tensors are rebuilt by lazy_initialization instead
     scalars["attrs"] = {k: v for k, v in vars(layer).items() if k not in scalars and _plain(v)}
-    return LayerState(scalars, {name: t.detach().cpu().contiguous() for name, t in layer.store.items()})
+    return LayerState(scalars, {name: t.detach().cpu().contiguous() for name, t in layer.state_tensors().items()})
 
 
 def _plain(v: Any) -> bool:
@@ -93,7 +94,10 @@ def _store_restore(layer: CompressedLayer, state: LayerState, device: torch.devi
     # derived state (tier specs, tail dtype, rotations) comes from the layer's own lazy_initialization
     layer.lazy_initialization(torch.empty(b, s["num_heads"], 0, s["head_dim"], dtype=dt, device=device),
                               torch.empty(b, s["num_heads"], 0, s["value_dim"], dtype=dt, device=device))
-    layer.store = {name: t.to(device) for name, t in state.tensors.items()}
+    if isinstance(layer, TieredQuantLayer):
+        layer.load_tiers(LayerTiers.from_state(s["tiers"], state.tensors, device))
+    else:
+        layer.store = {name: t.to(device) for name, t in state.tensors.items()}
     layer.cumulative_length = s["cumulative_length"]
     for k, v in s.get("attrs", {}).items():
         if _plain(getattr(layer, k, None)):  # never replace an object the layer built (a recipe, a rotation)
@@ -101,9 +105,10 @@ def _store_restore(layer: CompressedLayer, state: LayerState, device: torch.devi
 
 
 def _tiered_state(layer: TieredQuantLayer) -> LayerState:
-    """The store and plain attributes, plus the per-layer recipe (the rotation chosen by calibration) where the
+    """The tiers and plain attributes, plus the per-layer recipe (the rotation chosen by calibration) where the
     layer has one."""
     state = _store_state(layer)
+    state.scalars["tiers"] = layer.tiers.state()[0]
     recipe = getattr(layer, "recipe", None)
     if recipe is not None and hasattr(recipe, "to_dict"):
         state.scalars["recipe"] = recipe.to_dict()

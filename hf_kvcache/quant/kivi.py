@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import pack_bits, unpack_bits
+from .rows import TokenRows
 from .uniform import _scale_fp16
 
 AXES = ("channel", "token")
@@ -37,7 +38,7 @@ _WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}  
 
 
 @dataclass
-class KIVIQuantized:
+class KIVIQuantized(TokenRows):
     """Packed codes `[..., tokens, packed(dim)]` plus fp16 scale and zero (shapes: see the module docstring)."""
 
     codes: torch.Tensor
@@ -48,9 +49,9 @@ class KIVIQuantized:
     axis: str
     dim: int
 
-    @property
-    def tokens(self) -> int:
-        return self.codes.shape[-2]
+    def row_fields(self) -> dict[str, int]:
+        per = self.group_size if self.axis == "channel" else 1
+        return {"codes": 1, "scale": per, "zero": per}
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scale, self.zero]
@@ -199,14 +200,4 @@ def dequantize_kivi(
 
 def slice_tokens(q: KIVIQuantized, start: int, stop: int | None = None) -> KIVIQuantized:
     """Tokens `start:stop` of `q` (for `axis="channel"` both must fall on group boundaries)."""
-    n = q.tokens
-    stop = n if stop is None else stop
-    if q.axis == "channel":
-        if start % q.group_size or (stop % q.group_size and stop != n):
-            raise ValueError(f"per-channel groups are {q.group_size} tokens; cannot slice {start}:{stop}")
-        gs, ge = start // q.group_size, -(-stop // q.group_size)
-    else:
-        gs, ge = start, stop
-    return KIVIQuantized(
-        q.codes[..., start:stop, :], q.scale[..., gs:ge, :], q.zero[..., gs:ge, :], q.bits, q.group_size, q.axis, q.dim
-    )
+    return q.slice(start, stop)

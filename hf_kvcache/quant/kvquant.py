@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import pack_bits, unpack_bits
+from .rows import TokenRows
 from .uniform import scale_to_fp16
 
 AXES = ("channel", "token")
@@ -301,7 +302,7 @@ def attention_sensitivity(
 
 # ------------------------------------------------------------------------------------------------------ quantization
 @dataclass
-class NUQQuantized:
+class NUQQuantized(TokenRows):
     """nuq codes + normalization + sparse outliers of one `[..., tokens, dim]` tensor.
 
     codes: uint8 `[..., tokens, packed(dim)]`; scale/offset: fp16 (shapes: module docstring); outlier_idx: uint8
@@ -317,9 +318,9 @@ class NUQQuantized:
     group_size: int
     dim: int
 
-    @property
-    def tokens(self) -> int:
-        return self.codes.shape[-2]
+    def row_fields(self) -> dict[str, int]:
+        per = self.group_size if self.codebook.axis == "channel" else 1
+        return {"codes": 1, "scale": per, "offset": per, "outlier_idx": 1, "outlier_val": 1}
 
     def data_tensors(self) -> list[torch.Tensor]:
         """The per-block tensors (everything but the shared codebook)."""

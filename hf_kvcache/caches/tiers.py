@@ -1,0 +1,159 @@
+"""Typed storage of the tiered layers: full-precision tiers (`PlainTier`), quantized tiers (`QuantTier`) and the four
+tiers of one layer (`LayerTiers`: sink, archive, warm, tail).
+
+Every tensor is laid out `[batch, kv_heads, rows, ...]`: batch-dim operations (beam reordering, row selection) map
+over all of them with `map_rows`. `LayerTiers.state()` / `LayerTiers.from_state()` turn the tiers into named tensors
+plus JSON metadata and back (the lossless codec stores a layer that way).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Callable, Union
+
+import torch
+
+from ..quant.kivi import KIVIQuantized
+from ..quant.kvquant import NUQCodebook, NUQQuantized
+
+Quantized = Union[KIVIQuantized, NUQQuantized]
+RowFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class PlainTier:
+    """Full-precision keys `[batch, kv_heads, tokens, head_dim]` and values `[.., value_dim]`."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.shape[2]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def map_rows(self, fn: RowFn) -> "PlainTier":
+        return PlainTier(fn(self.keys), fn(self.values))
+
+    def slice(self, start: int, stop: int | None = None) -> "PlainTier":
+        """Tokens `start:stop`, copied (no view keeps the old storage alive)."""
+        return PlainTier(self.keys[:, :, start:stop].clone(), self.values[:, :, start:stop].clone())
+
+    def cat(self, other: "PlainTier") -> "PlainTier":
+        return PlainTier(torch.cat([self.keys, other.keys], 2), torch.cat([self.values, other.values], 2))
+
+
+@dataclass
+class QuantTier:
+    """Quantized keys and values of the same tokens (KIVI codes, or KVQuant's nuq codes with a shared codebook)."""
+
+    keys: Quantized
+    values: Quantized
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.tokens
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.keys.tensors(), *self.values.tensors()]
+
+    def map_rows(self, fn: RowFn) -> "QuantTier":
+        return QuantTier(self.keys.map_rows(fn), self.values.map_rows(fn))
+
+    def slice(self, start: int, stop: int | None = None) -> "QuantTier":
+        """Tokens `start:stop` (on group boundaries), copied."""
+        return QuantTier(self.keys.slice(start, stop).clone(), self.values.slice(start, stop).clone())
+
+    def cat(self, other: "QuantTier") -> "QuantTier":
+        return QuantTier(self.keys.cat(other.keys), self.values.cat(other.values))
+
+
+Tier = Union[PlainTier, QuantTier]
+TIER_NAMES = ("sink", "archive", "warm", "tail")  # sink overlays the first positions; then oldest to newest
+_TYPES = {c.__name__: c for c in (PlainTier, QuantTier, KIVIQuantized, NUQQuantized, NUQCodebook)}
+
+
+@dataclass
+class LayerTiers:
+    """The tiers of one layer; an empty tier is None."""
+
+    sink: PlainTier | None = None
+    archive: QuantTier | None = None
+    warm: QuantTier | None = None
+    tail: PlainTier | None = None
+
+    def tokens(self, tier: str) -> int:
+        t = getattr(self, tier)
+        return 0 if t is None else t.tokens
+
+    def held(self) -> int:
+        """Positions held (the sinks lie over positions another tier holds)."""
+        return self.tokens("archive") + self.tokens("warm") + self.tokens("tail")
+
+    def present(self) -> list[Tier]:
+        return [t for t in (getattr(self, n) for n in TIER_NAMES) if t is not None]
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [x for t in self.present() for x in t.tensors()]
+
+    def batch(self) -> int:
+        tiers = self.present()
+        return tiers[0].tensors()[0].shape[0] if tiers else 0
+
+    def map_rows(self, fn: RowFn) -> "LayerTiers":
+        return LayerTiers(**{n: None if t is None else t.map_rows(fn) for n, t in self._items()})
+
+    def _items(self):
+        return ((n, getattr(self, n)) for n in TIER_NAMES)
+
+    # ---- serialization ------------------------------------------------------------------------------------------
+    def state(self) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """(JSON metadata, named tensors) of every tier."""
+        meta, tensors = {}, {}
+        for name, tier in self._items():
+            if tier is not None:
+                meta[name] = _flatten(tier, name, tensors)
+        return meta, tensors
+
+    @classmethod
+    def from_state(cls, meta: dict[str, Any], tensors: dict[str, torch.Tensor], device: torch.device) -> "LayerTiers":
+        out = cls()
+        for name, m in meta.items():
+            if name not in TIER_NAMES:
+                raise ValueError(f"corrupt tiered layer state: unknown tier {name!r}")
+            setattr(out, name, _unflatten(m, name, tensors, device))
+        return out
+
+
+def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    meta: dict[str, Any] = {"type": type(obj).__name__}
+    for f in dataclasses.fields(obj):
+        v, key = getattr(obj, f.name), f"{prefix}.{f.name}"
+        if isinstance(v, torch.Tensor):
+            tensors[key] = v.detach().cpu().contiguous()
+        elif dataclasses.is_dataclass(v):
+            meta[f.name] = _flatten(v, key, tensors)
+        else:
+            meta[f.name] = v
+    return meta
+
+
+def _unflatten(meta: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor], device: torch.device) -> Any:
+    cls = _TYPES.get(meta.get("type"))
+    if cls is None:
+        raise ValueError(f"corrupt tiered layer state: unknown type {meta.get('type')!r} at {prefix}")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}.{f.name}"
+        if key in tensors:
+            kwargs[f.name] = tensors[key].to(device)
+        elif isinstance(meta.get(f.name), dict):
+            kwargs[f.name] = _unflatten(meta[f.name], key, tensors, device)
+        elif f.name in meta:
+            kwargs[f.name] = meta[f.name]
+        else:
+            raise ValueError(f"corrupt tiered layer state: {key} missing")
+    return cls(**kwargs)
