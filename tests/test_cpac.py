@@ -117,7 +117,7 @@ def test_references(reference):
     k, v = feed(cache, [32], mass=uniform_mass)
     layer = cache.layers[0]
     k_out, v_out = layer.materialize()
-    assert (v_out - v).norm() / v.norm() < 0.25
+    assert (v_out - v).norm() / v.norm() < 0.18  # measured 0.129 (base), 0.118 (keys, zero): 4-bit deltas
     bases = {s: int((layer.pools[s].mode == BASE).sum()) for s in "kv"}
     expected = {"base": (B * H, B * H), "keys": (B * H, 0), "zero": (0, 0)}[reference]
     assert (bases["k"], bases["v"]) == expected
@@ -240,11 +240,32 @@ def test_observe_attention_checks_shape():
 
 
 def test_page_features():
-    x = torch.randn(7, 16, D)
-    for kind in ("summary", "channel", "page"):
+    """The dot product of the features of two pages is the cosine the features module describes for each kind,
+    computed here from its description (mean, variance, signature, orthonormal DCT-II rows 1..4)."""
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(7, 16, D, generator=g), torch.randn(7, 16, D, generator=g) + 0.3
+
+    def cos(a, b):
+        return torch.nn.functional.cosine_similarity(a, b, dim=-1)
+
+    dct = torch.stack([(2 / 16) ** 0.5 * torch.cos(torch.pi * k * (torch.arange(16) + 0.5) / 16) for k in range(1, 5)])
+
+    def summary(p):
+        sig = p.abs().mean(-1)
+        return torch.cat([p.mean((1, 2))[:, None], p.var((1, 2), correction=0)[:, None], sig, sig @ dct.T], -1)
+
+    def blocks(p):
+        return [p.mean(1), p.var(1, correction=0), p.abs().mean(1), torch.einsum("kp,npd->nkd", dct, p).flatten(1)]
+
+    expected = {
+        "summary": cos(summary(x), summary(y)),
+        "channel": torch.stack([cos(a, b) for a, b in zip(blocks(x), blocks(y))]).mean(0),
+        "page": cos(x.flatten(1), y.flatten(1)),
+    }
+    for kind, want in expected.items():
         f = page_features(x, 4, kind)
         assert torch.allclose(f.norm(dim=-1), torch.ones(7), atol=1e-5)
-        assert torch.allclose((f * page_features(x, 4, kind)).sum(-1), torch.ones(7), atol=1e-5)
+        assert torch.allclose((f * page_features(y, 4, kind)).sum(-1), want, atol=1e-5), kind
     assert page_features(x, 4, "summary").shape[-1] == 2 + 16 + 4
 
 
