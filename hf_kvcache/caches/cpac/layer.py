@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from ...rope import KeyRotation
-from ..base import FP16_BYTES, CompressedLayer
+from ..base import CompressedLayer
 from .delta import DeltaCodec
 from .features import combine_features, importance_weight, page_features, threshold_for_pressure
 from .options import STREAMS, CPACOptions
@@ -59,7 +59,8 @@ class _Budget:
 class CPACLayer(CompressedLayer):
     """One model layer of a `CPACCache`: a `PagePool` per stream (`pools["k"]`, `pools["v"]`) and the attention mass
     its pages received (`imp_mass`, `imp_obs`); see the package docstring. It keeps nothing in the base class's
-    `store`: the storage hooks (`held_tensors`, `batch_size`, `_empty`, `_map_store`, crop, reset) are its own."""
+    `store`: the storage hooks (`state_tensors`, `held_tensors`, `batch_size`, `tokens_held`, `_map_store`, crop,
+    reset) are its own."""
 
     options: CPACOptions
     wants_attention_mass = True
@@ -130,10 +131,6 @@ class CPACLayer(CompressedLayer):
     def batch_size(self) -> int:
         return self.pools["k"].tail.shape[0] if self.pools else 0
 
-    def _empty(self, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        b, h, kw = self.batch_size(), self.num_heads, dict(dtype=self.dtype, device=self.device)
-        return torch.empty(b, h, tokens, self.head_dim, **kw), torch.empty(b, h, tokens, self.value_dim, **kw)
-
     def _map_store(self, fn) -> None:
         """Beam reorder / batch selection / repetition: rows remap their slots, pools are shared (nothing copied)."""
         if not self.pools:
@@ -147,12 +144,6 @@ class CPACLayer(CompressedLayer):
 
     def tokens_held(self) -> int:
         return self.n_pages * self.options.page_size + self.tail_tokens() if self.pools else 0
-
-    def fp16_bytes(self) -> int:
-        if not self.is_initialized:
-            return 0
-        per_token = FP16_BYTES * self.num_heads * (self.head_dim + self.value_dim)
-        return per_token * self.batch_size() * self.cumulative_length
 
     # ---- update / attention mass --------------------------------------------------------------------------------
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
