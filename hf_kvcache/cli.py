@@ -78,6 +78,12 @@ def _cmd_codec_bench(args: argparse.Namespace) -> int:
     return main_args(args)
 
 
+def _cmd_kernel_report(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.kernel_report import main_args
+
+    return main_args(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Generate from a real prompt with each cache, then the side-by-side table on real text."""
     import torch
@@ -174,6 +180,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("codec-bench", help="KV codec: bytes/token, perplexity after a round trip, MB/s, TTFT")
     _codec_bench_arguments(p)
     p.set_defaults(func=_cmd_codec_bench)
+
+    from hf_kvcache.eval.kernel_report import add_arguments as _kernel_report_arguments
+
+    p = sub.add_parser("kernel-report", help="Triton kernels compiled for sm_90 (registers, spills, shared memory, "
+                       "occupancy) and a decode-step bytes roofline; no GPU needed")
+    _kernel_report_arguments(p)
+    p.set_defaults(func=_cmd_kernel_report)
     return parser
 
 
