@@ -124,8 +124,17 @@ def format_row(r: dict) -> str:
             f"{r['speedup_vs_sdpa']:>6.2f}x {r['speedup_vs_dequant']:>5.2f}x")
 
 
+NEEDS = """needs: a CUDA GPU (torch built with CUDA, triton) to time what it is for: the Triton decode kernel
+(kernels/triton_decode.py) on fp16 inputs, against fp16 SDPA, with CUDA events and max_memory_allocated; default
+sizes there are 1K..128K tokens at batch 1, 4, 16. Without one it runs on the CPU: the blockwise torch path of
+decode_attention on float32 inputs (1K..16K tokens, batch 1 and 4), which says nothing about the GPU kernel.
+--device cuda without a visible GPU stops with an error. For GPU readiness without a GPU (registers, spills,
+occupancy of every kernel variant compiled for sm_90, and a bytes roofline) run python -m hf_kvcache.eval.kernel_report."""
+
+
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=NEEDS,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, nargs="+", default=None)
     p.add_argument("--batch", type=int, nargs="+", default=None)
     p.add_argument("--kv-heads", type=int, default=8)
@@ -136,6 +145,9 @@ def main(argv=None) -> None:
     p.add_argument("--device", default=None)
     args = p.parse_args(argv)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        p.error("--device cuda needs a CUDA GPU and torch built with CUDA; none is visible here "
+                "(leave --device out to run the CPU path)")
     tokens = args.tokens or ([1024, 4096, 16384, 32768, 65536, 131072] if device == "cuda" else [1024, 4096, 16384])
     batches = args.batch or ([1, 4, 16] if device == "cuda" else [1, 4])
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"

@@ -95,3 +95,21 @@ def test_roofline_rows(report):
             assert 1 < r["speedup_step"] < r["speedup_kv"]  # the weights are read at every step either way
     smol = next(r for r in rows if r["model"] == "SmolLM2-135M" and r["context"] == 1024 and r["layout"] == "tiered")
     assert smol["kv_bytes"] == 73728 * 3 * 30  # the hand-checked layer above, times KV heads and layers
+
+
+def test_kernel_bench_help_says_what_it_needs(capsys):
+    """The GPU timing script stays runnable for when a GPU is lent: its --help works here and says what it needs."""
+    import torch
+
+    from hf_kvcache.eval import kernel_bench
+
+    with pytest.raises(SystemExit) as exc:
+        kernel_bench.main(["--help"])
+    assert exc.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "needs: a CUDA GPU" in out and "kernel_report" in out
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit) as exc:
+            kernel_bench.main(["--device", "cuda"])
+        assert exc.value.code == 2
+        assert "needs a CUDA GPU" in capsys.readouterr().err
