@@ -119,6 +119,8 @@ def run_benchmark(
         with attached(model, cache):
             r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
             row = {"cache": spec.label, **r.to_dict()}
+            if hasattr(cache, "quality_metrics"):  # the online proxy, measured before the decode steps
+                row["proxy"] = cache.quality_metrics()["proxy"]
             if decode_steps:
                 row["decode_tokens_per_s"] = decode_tokens_per_s(model, cache, extra)
         rows.append(row)
@@ -137,9 +139,10 @@ def format_table(rows: list[dict]) -> str:
         ("ratio", "{:.2f}x", "vs fp16"),
         ("tokens_per_s", "{:.0f}", "stream tok/s"),
         ("decode_tokens_per_s", "{:.1f}", "decode tok/s"),
+        ("proxy", "{:.4f}", "proxy"),
     ]
-    cols = [c for c in cols if all(c[0] in r for r in rows)]
-    cells = [[h for _, _, h in cols]] + [[fmt.format(r[k]) for k, fmt, _ in cols] for r in rows]
+    cols = [c for c in cols if any(c[0] in r for r in rows)]
+    cells = [[h for _, _, h in cols]] + [[fmt.format(r[k]) if k in r else "-" for k, fmt, _ in cols] for r in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -48,6 +48,8 @@ LOSSLESS = {
     "int4": lambda cfg: UniformQuantCache(config=cfg, dtype="int4"),
     "fp8": lambda cfg: UniformQuantCache(config=cfg, dtype="fp8"),
     "tiered": lambda cfg: TieredQuantCache(config=cfg, tail_length=16, warm_length=64),
+    "tiered-kvquant": lambda cfg: TieredQuantCache(config=cfg, tail_length=16, warm_length=64, archive_quantizer="kvquant",
+                                                   archive_bits=3),
     # filled through the "hf_kvcache" attention: the fused path, and per-layer calibration where the layer has one
     "tiered-fused": lambda cfg: TieredQuantCache(config=cfg, tail_length=16, warm_length=64),
     "kivi": lambda cfg: KIVICache(config=cfg, residual_length=32),

@@ -37,6 +37,7 @@ from ..quant.kvquant import NUQQuantized, apply_rope, dequantize_nuq, fit_codebo
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
 from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
+from ..calibrate.quality import QualityTracker
 from .base import CompressedCache, CompressedLayer, memory_stats
 from .tiers import LayerTiers, PlainTier, QuantTier
 
@@ -238,6 +239,7 @@ class TieredQuantLayer(CompressedLayer):
         # its keys are un-rotated with (set by the cache from the model config)
         self.codebooks: tuple | None = None
         self.rope_theta: float | None = None
+        self.quality = QualityTracker()  # error of every block quantized in this sequence (`quality_metrics`)
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
         self.plan: TieredQuantOptions = self._plan()
@@ -370,6 +372,7 @@ class TieredQuantLayer(CompressedLayer):
         model, not the text)."""
         super().reset()
         self.tiers = LayerTiers()
+        self.quality.reset()
         self.plan = self._plan()
         self.dropped = 0
         self._calib_waited, self._calib_queries = False, None
@@ -439,20 +442,26 @@ class TieredQuantLayer(CompressedLayer):
     def _nuq_archive(self) -> bool:
         return self.plan.archive_quantizer == "kvquant"
 
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str, start: int = 0) -> QuantTier:
-        """Quantize positions `start..` for `tier` ("warm" or "arch"): KIVI codes in the rotated basis, or, for a
-        KVQuant archive, nuq codes of the pre-RoPE keys and of the values."""
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str, start: int = 0, rotated: bool = False,
+                  track: bool = False) -> QuantTier:
+        """Quantize positions `start..` for `tier` ("warm" or "arch"): KIVI codes in the rotated basis (`rotated`:
+        the input is in it already), or, for a KVQuant archive, nuq codes of the pre-RoPE keys and of the values.
+        `track`: add the block's error to `quality` (blocks stored, not calibration round trips)."""
         if tier == "arch" and self._nuq_archive():
             if self.codebooks is None:
                 self._fit_codebooks(keys, values, start)
-            return QuantTier(quantize_nuq(self._rope(keys.float(), start, undo=True), self.codebooks[0]),
-                             quantize_nuq(values.float(), self.codebooks[1]))
-        if self.rot_k is not None:
-            keys = keys.float() @ self.rot_k
-        if self.rot_v is not None:
-            values = values.float() @ self.rot_v
-        ka, va = self._qargs(tier)
-        return QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
+            keys, values = self._rope(keys.float(), start, undo=True), values.float()
+            q = QuantTier(quantize_nuq(keys, self.codebooks[0]), quantize_nuq(values, self.codebooks[1]))
+        else:
+            if self.rot_k is not None and not rotated:
+                keys = keys.float() @ self.rot_k
+            if self.rot_v is not None and not rotated:
+                values = values.float() @ self.rot_v
+            ka, va = self._qargs(tier)
+            q = QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
+        if track:
+            self.quality.record("archive" if tier == "arch" else tier, keys, values, q.keys, q.values)
+        return q
 
     def _fit_codebooks(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Per KV head and channel nuq levels (`hf_kvcache.quant.kvquant`) fitted on positions `start..` (the first
@@ -529,9 +538,9 @@ class TieredQuantLayer(CompressedLayer):
         start = self.dropped + t.tokens("archive") + t.tokens("warm")
         keys, values = self._mask_outside(keys, start), self._mask_outside(values, start)
         if p.warm_length == 0:
-            self._append_archive(self._quantize(keys, values, "arch", start))
+            self._append_archive(self._quantize(keys, values, "arch", start, track=True))
             return
-        q = self._quantize(keys, values, "warm")
+        q = self._quantize(keys, values, "warm", track=True)
         t.warm = q if t.warm is None else t.warm.cat(q)
         ga = p.archive_group
         excess = t.warm.tokens - p.warm_length
@@ -545,13 +554,9 @@ class TieredQuantLayer(CompressedLayer):
         # re-quantized from the warm values (full precision is gone by now): in the rotated basis for KIVI, as plain
         # keys for a KVQuant archive (which undoes their RoPE)
         start = self._tier_starts()["archive"] + t.tokens("archive")
-        nuq = self._nuq_archive()
-        rk, rv = self._dequantize(old, start, rotated=not nuq)
-        if nuq:
-            self._append_archive(self._quantize(rk, rv, "arch", start))
-        else:
-            ka, va = self._qargs("arch")
-            self._append_archive(QuantTier(quantize_kivi(rk, **ka), quantize_kivi(rv, **va)))
+        rotated = not self._nuq_archive()
+        rk, rv = self._dequantize(old, start, rotated=rotated)
+        self._append_archive(self._quantize(rk, rv, "arch", start, rotated=rotated, track=True))
 
     def _append_archive(self, q: QuantTier) -> None:
         t = self.tiers
@@ -722,6 +727,17 @@ class TieredQuantCache(CompressedCache):
             for layer, r in zip(self.layers, recipes):
                 if r is not None and isinstance(layer, TieredQuantLayer):
                     layer.recipe = LayerRecipe.from_dict(r)
+
+    def quality_metrics(self) -> dict[str, Any]:
+        """A cheap online quality proxy (`hf_kvcache.calibrate.quality`): `proxy`, the relative squared error of the
+        held keys/values averaged over layers (each tier's error weighted by the positions it serves), and per tier
+        the relative error of the blocks quantized into it this sequence (averaged over layers)."""
+        layers = [la for la in self.layers if isinstance(la, TieredQuantLayer) and la.is_initialized]
+        if not layers:
+            return {"proxy": 0.0, "tiers": {}}
+        proxy = sum(la.quality.proxy(la.tier_tokens()) for la in layers) / len(layers)
+        tiers = {t: sum(la.quality.error_of(t) for la in layers) / len(layers) for t in ("warm", "archive")}
+        return {"proxy": proxy, "tiers": tiers}
 
     def recipes(self) -> list[dict | None]:
         """Per model layer, the recipe it runs with (None: not chosen yet, or not a tiered layer): JSON-ready, and
