@@ -45,7 +45,7 @@ from transformers import DynamicCache, PreTrainedModel
 from transformers.cache_utils import Cache
 
 import hf_kvcache  # noqa: F401  (registers the caches and the "hf_kvcache" attention)
-from hf_kvcache.attention import use_for_cache
+from hf_kvcache.registry import attached
 from hf_kvcache.options import parse_options_json
 from hf_kvcache.eval.assets import model_dir
 from hf_kvcache.registry import build_cache, cache_names
@@ -133,13 +133,11 @@ class HFKVCacheLM(HFLM):
 
     # ---- caches ---------------------------------------------------------------------------------------------------
     def new_cache(self) -> Cache:
-        """A fresh cache for one request; caches that rank tokens by attention switch the model's attention."""
+        """A fresh cache for one request (each forward runs it `attached` to the model, as generate does)."""
         config = self.model.config
         if self.cache_name == DYNAMIC:
             return DynamicCache(config=config)
-        cache = build_cache(self.cache_name, config.get_text_config(decoder=True), **copy.deepcopy(self.cache_options))
-        use_for_cache(self.model, cache)
-        return cache
+        return build_cache(self.cache_name, config.get_text_config(decoder=True), **copy.deepcopy(self.cache_options))
 
     def get_model_info(self) -> dict[str, Any]:
         return {
@@ -153,7 +151,13 @@ class HFKVCacheLM(HFLM):
     @torch.inference_mode()
     def _feed(self, cache: Cache, inputs: list[int], start: int, stop: int, scored: list[_Scored]) -> None:
         """Run input positions `start..stop-1` through `cache` in chunks that end at multiples of `self.chunk` (so
-        `start` must be one), adding to each of `scored` the log-probabilities of its tokens predicted there."""
+        `start` must be one), adding to each of `scored` the log-probabilities of its tokens predicted there. The
+        forwards run with the cache attached to the model as generate runs it (the attention it needs: mass for
+        eviction, queries for calibration, fused reads of codes), and the model is handed back afterwards."""
+        with attached(self.model, cache):
+            self._feed_attached(cache, inputs, start, stop, scored)
+
+    def _feed_attached(self, cache: Cache, inputs: list[int], start: int, stop: int, scored: list[_Scored]) -> None:
         for a in range(start, stop, self.chunk):
             b = min(a + self.chunk, stop)
             ids = torch.tensor([inputs[a:b]], dtype=torch.long, device=self.device)

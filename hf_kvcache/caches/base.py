@@ -157,6 +157,7 @@ class CompressedLayer(DynamicLayer):
         self._check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._begin_update()
         n = key_states.shape[2]
         view = self._fused_view(n)
         held = self.tokens_held()
@@ -171,12 +172,19 @@ class CompressedLayer(DynamicLayer):
             keys, values = key_states, value_states
         self.cumulative_length += n
         self.append(key_states.detach(), value_states.detach())
+        self._end_update(n)
         if view is not None:
             self.fused_view = FusedView(view, key_states, value_states)
             keys = _Placeholder.like(key_states, held + n)
             values = _Placeholder.like(value_states, held + n)
         setattr(keys, LAYER_ATTR, self)
         return keys, values
+
+    def _begin_update(self) -> None:
+        """Hook: called at every `update` before anything is read or stored (checks, layout changes)."""
+
+    def _end_update(self, new_tokens: int) -> None:
+        """Hook: called at every `update` after the new tokens are stored."""
 
     def _fused_view(self, new_tokens: int) -> list | None:
         """The segments to hand the fused attention for this update, or None to return plain tensors."""

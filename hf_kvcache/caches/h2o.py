@@ -56,7 +56,7 @@ from ..options import CacheOptions, check_choice, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
-from .base import FP16_BYTES, LAYER_ATTR, CompressedCache, CompressedLayer
+from .base import FP16_BYTES, CompressedCache, CompressedLayer
 
 DEFAULT_SINK_LENGTH = 4
 SPLIT_OPTIONS = ("recent_length", "recent_ratio", "heavy_length", "heavy_ratio")
@@ -259,27 +259,13 @@ class H2OLayer(CompressedLayer):
     def quantized(self) -> bool:
         return self.options.quant_bits is not None
 
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_states(key_states, value_states)
+    def _begin_update(self) -> None:
         if self._pending:
             raise RuntimeError(MISSING_MASS.format(cls=type(self).__name__, policy=self.options.policy))
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
         self._expand()
-        if self.quantized and self.tokens_held():
-            past_k, past_v = self.materialize()  # the held tokens, dequantized; the new ones attend exactly
-            keys, values = torch.cat([past_k, key_states], dim=-2), torch.cat([past_v, value_states], dim=-2)
-        elif self.quantized:
-            keys, values = key_states, value_states
-        self.cumulative_length += key_states.shape[-2]
-        self.append(key_states, value_states)
-        if not self.quantized:
-            keys, values = self.store["keys"], self.store["values"]
-        self._pending = key_states.shape[-2]
-        setattr(keys, LAYER_ATTR, self)
-        return keys, values
+
+    def _end_update(self, new_tokens: int) -> None:
+        self._pending = new_tokens  # their attention mass is reported by the attention of this forward
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, n = key_states.shape[:3]
