@@ -76,34 +76,3 @@ def test_unknown_names_and_options_raise(smol, pydoc_text):
         model.generate(ids, cache_implementation="uniform", cache_config={"bits": 3}, max_new_tokens=2)
     with pytest.raises(ValueError, match="fixed by this cache name"):
         model.generate(ids, cache_implementation="int8", cache_config={"dtype": "int4"}, max_new_tokens=2)
-
-
-def test_left_padded_batch_equals_each_alone(smol, pydoc_text, moby_text):
-    model, tok = smol
-    tok.padding_side = "left"
-    prompts = [tok.decode(prompt_ids(tok, pydoc_text, 12)[0]), tok.decode(load_tokens(tok, moby_text, 5000, 37)[0])]
-    kw = dict(max_new_tokens=20, do_sample=False, cache_implementation="int8", pad_token_id=tok.pad_token_id)
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    together = model.generate(**batch, **kw)
-    width = batch.input_ids.shape[1]
-    for i, prompt in enumerate(prompts):
-        alone = tok(prompt, return_tensors="pt")
-        out = model.generate(**alone, **kw)
-        assert torch.equal(together[i, width:], out[0, alone.input_ids.shape[1]:])
-
-
-def test_beam_search_runs(smol, pydoc_text):
-    model, tok = smol
-    ids = prompt_ids(tok, pydoc_text, 30)
-    out = model.generate(ids, cache_implementation="int8", num_beams=2, max_new_tokens=8, do_sample=False)
-    ref = model.generate(ids, num_beams=2, max_new_tokens=8, do_sample=False)
-    assert out.shape == ref.shape
-
-
-def test_assisted_decoding_crops(smol, pydoc_text):
-    model, tok = smol
-    ids = prompt_ids(tok, pydoc_text, 50)
-    kw = dict(max_new_tokens=16, do_sample=False)
-    ref = model.generate(ids, cache_implementation="int8", **kw)
-    out = model.generate(ids, cache_implementation="int8", prompt_lookup_num_tokens=4, **kw)
-    assert torch.equal(out, ref)

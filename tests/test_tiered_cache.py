@@ -144,15 +144,6 @@ def test_append_only_quantizes_the_groups_that_move(monkeypatch):
     assert warm == t["warm"] + t["archive"] and archive == t["archive"]  # each token quantized once per tier
 
 
-def test_crop_inside_the_tail():
-    cache = TieredQuantCache(config=tiny_config(), **SMALL)
-    k, _ = feed(cache, [90])
-    before = cache.layers[0].materialize()[0]
-    cache.crop(-5)
-    assert cache.get_seq_length() == 85 and cache.layers[0].tier_tokens()["tail"] == 10 - 5
-    assert torch.equal(cache.layers[0].materialize()[0], before[:, :, :85])
-
-
 @pytest.mark.parametrize("extra", [{}, {"rotation": "both", "rotation_dtype": "bfloat16"}])
 def test_crop_into_quantized_tiers_reopens_groups(extra):
     cache = TieredQuantCache(config=tiny_config(), **{**SMALL, **extra})
@@ -176,23 +167,6 @@ def test_crop_too_far_or_positive_raises():
         cache.crop(-50)
     with pytest.raises(ValueError, match="negative count"):
         cache.layers[0].crop(3)
-
-
-def test_beam_and_batch_contract():
-    cache = TieredQuantCache(config=tiny_config(), **{**SMALL, "sink_length": 2})
-    feed(cache, [77])
-    before = cache.layers[1].materialize()
-    cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(cache.layers[1].materialize()[0], before[0].flip(0))
-    cache.batch_repeat_interleave(2)
-    k, v = cache.layers[0].materialize()
-    assert k.shape[0] == 4 and cache.layers[0].tiers.archive.keys.scale.shape[0] == 4
-    cache.batch_select_indices(torch.tensor([0, 3]))
-    assert torch.equal(cache.layers[1].materialize()[1], before[1].flip(0))
-    feed(cache, [20])  # still appends after the batch changes
-    assert cache.get_seq_length() == 97
-    cache.reset()
-    assert cache.get_seq_length() == 0 and cache.memory_stats()["bytes"] == 0
 
 
 def test_kivi_cache_has_two_tiers():

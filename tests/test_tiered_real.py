@@ -6,7 +6,6 @@ from transformers import DynamicCache
 
 import hf_kvcache
 from hf_kvcache import KIVICache, TieredQuantCache
-from hf_kvcache.caches.tiered import TieredQuantLayer
 from hf_kvcache.eval import load_tokens, streaming_perplexity
 
 pytestmark = pytest.mark.slow
@@ -51,56 +50,3 @@ def test_perplexity_close_to_dynamic(smol, moby_text):
     assert stats["tiers"]["archive"]["tokens"] >= 350
     assert abs(res.perplexity / ref.perplexity - 1) < 0.10, (res.perplexity, ref.perplexity)
     assert res.ratio > 2.5
-
-
-def test_left_padded_batch(smol, pydoc_text, moby_text):
-    model, tok = smol
-    tok.padding_side = "left"
-    prompts = [tok.decode(load_tokens(tok, pydoc_text, 0, 30)[0]), tok.decode(load_tokens(tok, moby_text, 5000, 70)[0])]
-    batch = tok(prompts, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=tok.pad_token_id)
-    # a tail longer than the prompts + new tokens: no token is quantized, so the rows must equal each prompt alone
-    exact = dict(cache_implementation="tiered", cache_config={"tail_length": 128, "tail_dtype": None}, **kw)
-    together = model.generate(**batch, **exact)
-    width = batch.input_ids.shape[1]
-    for i, prompt in enumerate(prompts):
-        alone = tok(prompt, return_tensors="pt")
-        out = model.generate(**alone, **exact)
-        assert torch.equal(together[i, width:], out[0, alone.input_ids.shape[1]:])
-    # quantizing tiers: runs, keeps the batch, and holds real 2-bit groups for both rows
-    # (a fixed rotation: "auto" keeps a sequence this short unquantized until it has enough positions to calibrate)
-    out = model.generate(**batch, cache_implementation="tiered", cache_config=dict(SMALL, rotation="both"),
-                         return_dict_in_generate=True, **kw)
-    assert out.sequences.shape == (2, width + 8)
-    layer = out.past_key_values.layers[0]
-    assert layer.tiers.archive.keys.codes.shape[0] == 2 and layer.tiers.archive.keys.codes.shape[-1] == 64 // 4
-
-
-@pytest.mark.parametrize("name,options", [("tiered", SMALL), ("kivi", SMALL_KIVI)])
-def test_beam_search(smol, pydoc_text, name, options):
-    model, tok = smol
-    ids = load_tokens(tok, pydoc_text, 0, 70)
-    out = model.generate(ids, cache_implementation=name, cache_config=dict(options), num_beams=3, max_new_tokens=6,
-                         min_new_tokens=6, do_sample=False)
-    assert out.shape == (1, 76)
-
-
-def test_prompt_lookup_decoding_crops_the_tail(smol, pydoc_text, monkeypatch):
-    model, tok = smol
-    text = " ".join([tok.decode(load_tokens(tok, pydoc_text, 0, 30)[0])] * 3)  # repetitive: candidates get accepted
-    ids = tok(text, return_tensors="pt").input_ids
-    kw = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, cache_implementation="tiered",
-              cache_config=dict(SMALL))
-    crops = []
-    original = TieredQuantLayer.crop
-
-    def spy(self, tokens_to_remove):
-        crops.append(tokens_to_remove)
-        return original(self, tokens_to_remove)
-
-    monkeypatch.setattr(TieredQuantLayer, "crop", spy)
-    out = model.generate(ids, prompt_lookup_num_tokens=4, **kw)
-    monkeypatch.undo()
-    ref = model.generate(ids, **kw)
-    assert out.shape == ref.shape and crops  # every verified candidate block ends with a crop (0 if all accepted)
-    assert torch.equal(out[0, : ids.shape[1] + 1], ref[0, : ids.shape[1] + 1])

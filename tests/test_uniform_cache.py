@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-from hf_kvcache import UniformQuantCache, memory_stats
+from hf_kvcache import UniformQuantCache
 from hf_kvcache.caches.uniform import UniformQuantOptions
 
 B, H, D, LAYERS = 2, 3, 64, 2
@@ -59,23 +59,6 @@ def test_storage_really_shrinks(dtype, min_ratio, max_bytes_per_elem):
     assert stats["fp16_bytes"] == 2 * elements
     assert stats["ratio"] >= min_ratio
     assert held / elements <= max_bytes_per_elem
-
-
-def test_beam_and_batch_contract():
-    cache = UniformQuantCache(config=tiny_config(), dtype="int8")
-    fill(cache)
-    before = cache.layers[1].materialize()[0]
-    cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(cache.layers[1].materialize()[0], before.flip(0))
-    cache.batch_repeat_interleave(2)
-    assert cache.layers[0].materialize()[0].shape[0] == 4
-    cache.batch_select_indices(torch.tensor([0, 3]))
-    assert torch.equal(cache.layers[1].materialize()[0], before.flip(0)[[0, 1]])
-    cache.crop(-5)
-    assert cache.get_seq_length() == 35 and cache.layers[0].materialize()[0].shape[2] == 35
-    assert torch.equal(cache.layers[1].materialize()[0], before.flip(0)[:, :, :35])
-    cache.reset()
-    assert cache.get_seq_length() == 0 and memory_stats(cache)["bytes"] == 0
 
 
 def test_crop_too_far_raises():
