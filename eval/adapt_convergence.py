@@ -25,7 +25,8 @@ import time
 import torch
 from transformers import DynamicCache
 
-from hf_kvcache.calibrate import AdaptiveThresholds, Feedback, Thresholds
+from hf_kvcache import TieredQuantCache
+from hf_kvcache.calibrate import Feedback, Thresholds
 from hf_kvcache.registry import attached
 
 from .assets import load_model, load_text, load_tokens
@@ -34,15 +35,6 @@ from .perplexity import streaming_perplexity
 DEFAULT_TIERED = {"warm_length": 0, "rotation": "none"}
 FIELDS = ["start", "sample", "window", "token_start", "tail_length", "archive_bits", "ppl", "ref_ppl", "delta",
           "verdict", "ratio", "bytes", "fp16_bytes", "next_tail_length", "next_archive_bits", "seconds"]
-
-
-def adaptive_tiered_class():
-    """`TieredQuantCache` when it takes the mixin itself, else a subclass that adds it."""
-    from hf_kvcache import TieredQuantCache
-
-    if issubclass(TieredQuantCache, AdaptiveThresholds):
-        return TieredQuantCache
-    return type("AdaptiveTieredQuantCache", (AdaptiveThresholds, TieredQuantCache), {})
 
 
 def parse_start(text: str) -> Thresholds:
@@ -67,7 +59,7 @@ def run(model_name: str, text: str, token_start: int, window: int, windows: int,
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name)
     ids = load_tokens(tokenizer, load_text(text), token_start, window * windows)
-    cls = adaptive_tiered_class()
+    cls = TieredQuantCache
     refs: dict[int, float] = {}
 
     def reference(w: int) -> float:

@@ -194,11 +194,12 @@ def test_generate_until_uses_a_fresh_cache(smol):
 
 @pytest.mark.slow
 def test_zoo_name_and_attention_mass_cache():
-    """`pretrained` takes the zoo name; H2O (ranks tokens by attention) switches the model to the hf_kvcache
-    attention by itself. A model of its own, so the session model keeps its attention implementation."""
+    """`pretrained` takes the zoo name; H2O (ranks tokens by attention) runs each request attached to the model (the
+    hf_kvcache attention reports the mass it needs: without it the second forward raises), and the model is handed
+    back with its own attention implementation afterwards."""
     lm = HFKVCacheLM(pretrained="smollm2-135m", cache="h2o", cache_config='{"budget": 0.5}', batch_size=1, chunk=8)
     assert lm.device.type == ("cuda" if torch.cuda.is_available() else "cpu")  # no device given: not hf's "cuda"
     ids = lm.tok_encode("Call me Ishmael. Some years ago, never mind how long precisely, I went to sea.")
     ((logprob, _),) = lm._loglikelihood_tokens([(None, ids[:12], ids[12:])], disable_tqdm=True)
-    assert lm.model.config._attn_implementation == "hf_kvcache"
+    assert lm.model.config._attn_implementation == "sdpa"
     assert math.isfinite(logprob) and logprob < 0

@@ -228,8 +228,7 @@ OPTS = dict(tail_length=16, warm_length=0, archive_bits=2, group_size=16, archiv
             rotation="none", clip_search=False, tail_dtype=None)
 
 
-class AdaptiveTiered(AdaptiveThresholds, TieredQuantCache):
-    pass
+AdaptiveTiered = TieredQuantCache  # the tiered cache takes the mixin itself
 
 
 def tiny_config():
@@ -310,10 +309,8 @@ def test_mixin_save_and_load(tmp_path):
 
 
 def test_mixin_with_other_option_names_kivi():
-    class AdaptiveKIVI(AdaptiveThresholds, KIVICache):
-        threshold_fields = ("residual_length", "bits")
-
-    cache = AdaptiveKIVI(config=tiny_config(), residual_length=32, bits=2, group_size=16)
+    assert issubclass(KIVICache, AdaptiveThresholds) and KIVICache.threshold_fields == ("residual_length", "bits")
+    cache = KIVICache(config=tiny_config(), residual_length=32, bits=2, group_size=16)
     assert cache.thresholds() == Thresholds(32, 2)
     for _ in range(3):
         cache.adapt_thresholds(0.5)

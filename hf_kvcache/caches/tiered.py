@@ -38,6 +38,7 @@ from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
 from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
 from ..calibrate.quality import QualityTracker
+from ..calibrate.thresholds import AdaptiveThresholds
 from .base import CompressedCache, CompressedLayer, memory_stats
 from .tiers import LayerTiers, PlainTier, QuantTier
 
@@ -508,9 +509,9 @@ class TieredQuantLayer(CompressedLayer):
         held = self.tokens_held()
         if held < p.sink_length:
             m = min(p.sink_length - held, new.tokens)
-            sink = PlainTier(new.keys[:, :, :m].contiguous(), new.values[:, :, :m].contiguous())
+            sink = new.slice(0, m)  # a copy: a view would keep the whole chunk's storage alive
             t.sink = sink if t.sink is None else t.sink.cat(sink)
-        tail = new if t.tail is None else t.tail.cat(new)
+        tail = new.slice(0) if t.tail is None else t.tail.cat(new)  # never a view of the model's tensors
         unit = p.group_size if p.warm_length else p.archive_group
         excess = tail.tokens - p.tail_length
         if excess >= unit and self.calibrating:
@@ -706,8 +707,12 @@ def rope_thetas(config: Any) -> list[float | None]:
     return out
 
 
-class TieredQuantCache(CompressedCache):
-    """Hot tail + 4-bit warm + 2-bit archive (KIVI). `TieredQuantCache(config=model.config, tail_length=64)`."""
+class TieredQuantCache(AdaptiveThresholds, CompressedCache):
+    """Hot tail + 4-bit warm + 2-bit archive (KIVI). `TieredQuantCache(config=model.config, tail_length=64)`.
+
+    Quality: `quality_metrics()` (online proxy), `adapt_thresholds(feedback)` / `save_thresholds` /
+    `load_thresholds` (`hf_kvcache.calibrate.thresholds`: the hot boundary and archive width, adapted from measured
+    quality between sequences)."""
 
     options_class = TieredQuantOptions
     layer_class = TieredQuantLayer
@@ -766,3 +771,4 @@ class KIVICache(TieredQuantCache):
 
     options_class = KIVIOptions
     layer_class = KIVILayer
+    threshold_fields = ("residual_length", "bits")
