@@ -1,4 +1,4 @@
-"""`hf-kvcache` command: demo, ppl, bench, caches."""
+"""`hf-kvcache` command: demo, ppl, bench, passkey, caches, codec-bench, kernel-report, pareto."""
 
 from __future__ import annotations
 
@@ -80,6 +80,12 @@ def _cmd_codec_bench(args: argparse.Namespace) -> int:
 
 def _cmd_kernel_report(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.kernel_report import main_args
+
+    return main_args(args)
+
+
+def _cmd_pareto(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.pareto import main_args
 
     return main_args(args)
 
@@ -187,6 +193,12 @@ def build_parser() -> argparse.ArgumentParser:
                        "occupancy) and a decode-step bytes roofline; no GPU needed")
     _kernel_report_arguments(p)
     p.set_defaults(func=_cmd_kernel_report)
+
+    from hf_kvcache.eval.pareto import add_arguments as _pareto_arguments
+
+    p = sub.add_parser("pareto", help="ratio / perplexity Pareto table and PNG from bench --json rows")
+    _pareto_arguments(p)
+    p.set_defaults(func=_cmd_pareto)
     return parser
 
 

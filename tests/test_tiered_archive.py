@@ -112,3 +112,14 @@ def test_quality_proxy_orders_archive_widths():
     assert proxies[2] > proxies[3] > proxies[4] > 0
     cache.reset()
     assert cache.quality_metrics()["proxy"] == 0.0
+
+
+@pytest.mark.parametrize("fraction, tokens", [(0.0, 1024), (0.25, 512), (0.25, 1024)])
+def test_warm_tier_grows_with_the_context(fraction, tokens):
+    cache = TieredQuantCache(config=CFG, **{**OPTS, "warm_fraction": fraction})
+    k, v = _keys_values(tokens)
+    _stream(cache, k, v)
+    warm = cache.layers[0].tiers.tokens("warm")
+    target = max(OPTS["warm_length"], int(fraction * tokens) // 32 * 32)
+    # the warm tier holds its target plus less than one archive group (it moves to the archive in whole groups)
+    assert target <= warm < target + OPTS["archive_group_size"]

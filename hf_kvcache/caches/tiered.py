@@ -86,6 +86,9 @@ class TieredQuantOptions(CacheOptions):
     - tail_length: newest tokens always kept in full precision (the tail holds up to `tail_length + group_size - 1`)
     - warm_length: at least this many tokens before the tail stay at warm_bits (a multiple of group_size;
       0: no warm tier, tokens go from the tail straight to the archive)
+    - warm_fraction: the warm tier also keeps this fraction of the positions seen (of the window, for a sliding
+      layer), rounded down to whole groups, when that is more than warm_length: the archive's share, and its error,
+      stop growing with the context (0: a fixed warm tier)
     - warm_bits / archive_bits: code widths of the two quantized tiers (1..8; 1, 2, 4, 8 unpack by table lookup)
     - group_size: warm-tier groups: tokens per per-channel key group, channels per value group (at most head_dim);
       also the unit in which tokens leave the tail
@@ -115,6 +118,7 @@ class TieredQuantOptions(CacheOptions):
 
     tail_length: int = 64
     warm_length: int = 448
+    warm_fraction: float = 0.22
     warm_bits: int = 4
     archive_bits: int = 2
     group_size: int = 32
@@ -136,6 +140,10 @@ class TieredQuantOptions(CacheOptions):
     def validate(self) -> None:
         _check_nonneg_int("tail_length", self.tail_length)
         _check_nonneg_int("warm_length", self.warm_length)
+        if isinstance(self.warm_fraction, bool) or not isinstance(self.warm_fraction, (int, float)) or not (
+            0.0 <= self.warm_fraction <= 1.0
+        ):
+            raise ValueError(f"warm_fraction must be a number in [0, 1], got {self.warm_fraction!r}")
         _check_bits("warm_bits", self.warm_bits)
         _check_bits("archive_bits", self.archive_bits)
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
@@ -192,7 +200,8 @@ class KIVIOptions(CacheOptions):
 
     def as_tiered(self) -> TieredQuantOptions:
         return TieredQuantOptions(
-            tail_length=self.residual_length, warm_length=0, warm_bits=self.bits, archive_bits=self.bits,
+            tail_length=self.residual_length, warm_length=0, warm_fraction=0.0, warm_bits=self.bits,
+            archive_bits=self.bits,
             group_size=self.group_size, archive_group_size=self.group_size, value_group_size=self.value_group_size,
             sink_length=self.sink_length, key_axis=self.key_axis, rotation=self.rotation,
             rotation_dtype=self.rotation_dtype,
@@ -544,7 +553,7 @@ class TieredQuantLayer(CompressedLayer):
         q = self._quantize(keys, values, "warm", track=True)
         t.warm = q if t.warm is None else t.warm.cat(q)
         ga = p.archive_group
-        excess = t.warm.tokens - p.warm_length
+        excess = t.warm.tokens - self._warm_target()
         if excess < ga:
             return
         m = excess // ga * ga
@@ -558,6 +567,12 @@ class TieredQuantLayer(CompressedLayer):
         rotated = not self._nuq_archive()
         rk, rv = self._dequantize(old, start, rotated=rotated)
         self._append_archive(self._quantize(rk, rv, "arch", start, rotated=rotated, track=True))
+
+    def _warm_target(self) -> int:
+        """Positions the warm tier keeps now: warm_length, or warm_fraction of the positions seen (of the window)."""
+        p = self.plan
+        seen = self.cumulative_length if self.sliding_window is None else min(self.cumulative_length, self.sliding_window)
+        return max(p.warm_length, int(p.warm_fraction * seen) // p.group_size * p.group_size)
 
     def _append_archive(self, q: QuantTier) -> None:
         t = self.tiers

@@ -1,0 +1,122 @@
+"""Ratio / perplexity Pareto table and plot from `hf-kvcache bench --json` rows.
+
+    hf-kvcache pareto --title smollm2-135m rows_a.json rows_b.json --out docs/pareto/smollm2-135m
+
+Rows of several files merge (a later file's row replaces an earlier one of the same label, so reruns win); every
+row needs `cache`, `perplexity`, `ratio` and `delta_pct` (measured against the baseline of its own run, which must be
+the same model, text and tokens: `--baseline-ppl` checks that every file's baseline agrees). A row is on the front
+when no other row is at least as small (ratio) and at least as good (delta), better in one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass
+
+
+@dataclass
+class Point:
+    label: str
+    ratio: float
+    delta_pct: float
+    perplexity: float
+    source: str
+
+    def dominated_by(self, other: "Point") -> bool:
+        return (other.ratio >= self.ratio and other.delta_pct <= self.delta_pct
+                and (other.ratio > self.ratio or other.delta_pct < self.delta_pct))
+
+
+def load_points(paths: list[str], baseline_ppl: float | None = None, tolerance: float = 1e-3) -> list[Point]:
+    """Rows of every file, later files winning on a label; the baseline rows (delta 0) are checked to agree."""
+    points: dict[str, Point] = {}
+    for path in paths:
+        try:
+            with open(path) as f:
+                rows = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"cannot read bench rows from {path}: {exc}; write them with hf-kvcache bench --json") from exc
+        if not isinstance(rows, list) or not rows:
+            raise ValueError(f"{path} holds no bench rows (a JSON list written by hf-kvcache bench --json)")
+        for row in rows:
+            missing = [k for k in ("cache", "perplexity", "ratio", "delta_pct") if k not in row]
+            if missing:
+                raise ValueError(f"a row of {path} lacks {missing}; write it with hf-kvcache bench --json")
+            if row["delta_pct"] == 0.0:
+                base = row["perplexity"]
+                baseline_ppl = base if baseline_ppl is None else baseline_ppl
+                if abs(base / baseline_ppl - 1.0) > tolerance:
+                    raise ValueError(f"{path}: baseline perplexity {base:.3f} differs from {baseline_ppl:.3f}: rows "
+                                     "of different models, texts or token windows cannot share one front")
+            points[row["cache"]] = Point(row["cache"], row["ratio"], row["delta_pct"], row["perplexity"], path)
+    return list(points.values())
+
+
+def front(points: list[Point]) -> list[Point]:
+    """The non-dominated points, by ratio."""
+    return sorted((p for p in points if not any(p.dominated_by(q) for q in points if q is not p)),
+                  key=lambda p: p.ratio)
+
+
+def table(points: list[Point]) -> str:
+    on = {id(p) for p in front(points)}
+    lines = ["| cache | ratio vs fp16 | perplexity | delta | Pareto |", "| --- | --- | --- | --- | --- |"]
+    for p in sorted(points, key=lambda p: -p.ratio):
+        lines.append(f"| {p.label} | {p.ratio:.2f}x | {p.perplexity:.3f} | {p.delta_pct:+.2f} % | "
+                     f"{'yes' if id(p) in on else ''} |")
+    return "\n".join(lines)
+
+
+def plot(points: list[Point], title: str, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    best = front(points)
+    ax.plot([p.ratio for p in best], [p.delta_pct for p in best], "-", color="0.7", zorder=1, label="Pareto front")
+    for p in points:
+        ax.scatter(p.ratio, p.delta_pct, s=28, zorder=2, color="C3" if p.label.startswith(("quanto", "hf-")) else "C0")
+        ax.annotate(p.label, (p.ratio, p.delta_pct), fontsize=7, xytext=(3, 3), textcoords="offset points")
+    ax.set_yscale("symlog", linthresh=5.0)
+    ax.set_xlabel("compression vs fp16 DynamicCache (bytes held)")
+    ax.set_ylabel("perplexity delta vs DynamicCache (%)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rows", nargs="+", help="bench --json files of one model, text and token window")
+    p.add_argument("--title", default="", help="plot title (e.g. the model)")
+    p.add_argument("--out", default=None, help="write OUT.md (table) and OUT.png (plot)")
+    p.add_argument("--drop", nargs="*", default=[], help="labels to leave out (e.g. the baseline)")
+
+
+def main_args(args: argparse.Namespace) -> int:
+    points = [p for p in load_points(args.rows) if p.label not in set(args.drop)]
+    text = table(points)
+    print(text)
+    if args.out:
+        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+        with open(args.out + ".md", "w") as f:
+            f.write(f"{args.title}\n\n{text}\n" if args.title else text + "\n")
+        plot(points, args.title, args.out + ".png")
+        print(f"wrote {args.out}.md and {args.out}.png")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hf_kvcache.eval.pareto", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return main_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

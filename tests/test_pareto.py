@@ -1,0 +1,48 @@
+"""hf-kvcache pareto: merging bench rows, the front, the table and plot, bad inputs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_kvcache.cli import main
+from hf_kvcache.eval.pareto import front, load_points
+
+
+def _rows(path, rows):
+    path.write_text(json.dumps([{"cache": c, "perplexity": p, "ratio": r, "delta_pct": d} for c, p, r, d in rows]))
+    return str(path)
+
+
+def test_front_table_and_plot(tmp_path, capsys):
+    a = _rows(tmp_path / "a.json", [("dynamic", 50.0, 0.5, 0.0), ("x", 51.0, 4.0, 2.0), ("y", 60.0, 3.0, 20.0)])
+    b = _rows(tmp_path / "b.json", [("dynamic", 50.0, 0.5, 0.0), ("y", 50.5, 3.0, 1.0), ("z", 55.0, 8.0, 10.0)])
+    points = load_points([a, b])
+    assert {p.label: p.delta_pct for p in points}["y"] == 1.0  # the later file's row wins
+    assert [p.label for p in front(points)] == ["dynamic", "y", "x", "z"]
+    out = tmp_path / "out" / "m"
+    assert main(["pareto", a, b, "--drop", "dynamic", "--title", "m", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "| z | 8.00x | 55.000 | +10.00 % | yes |" in text and "| y | 3.00x | 50.500 | +1.00 % | yes |" in text
+    assert (tmp_path / "out" / "m.png").stat().st_size > 10_000 and "dynamic" not in (tmp_path / "out" / "m.md").read_text()
+
+
+def test_dominated_rows_are_off_the_front(tmp_path):
+    a = _rows(tmp_path / "a.json", [("base", 50.0, 0.5, 0.0), ("good", 50.5, 4.0, 1.0), ("worse", 52.0, 3.9, 4.0)])
+    assert "worse" not in [p.label for p in front(load_points([a]))]
+
+
+def test_bad_inputs_name_the_fix(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["pareto", str(bad)]) == 2
+    assert "write them with hf-kvcache bench --json" in capsys.readouterr().err
+    a = _rows(tmp_path / "a.json", [("dynamic", 50.0, 0.5, 0.0)])
+    b = _rows(tmp_path / "b.json", [("dynamic", 70.0, 0.5, 0.0)])
+    with pytest.raises(ValueError, match="cannot share one front"):
+        load_points([a, b])
+    lacking = tmp_path / "c.json"
+    lacking.write_text(json.dumps([{"cache": "x", "ratio": 2.0}]))
+    with pytest.raises(ValueError, match=r"lacks \['perplexity', 'delta_pct'\]"):
+        load_points([str(lacking)])
