@@ -61,8 +61,49 @@ def check_choice(name: str, value: Any, choices: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not valid; choose one of {list(choices)}")
 
 
-def check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_int(name: str, value: Any, lo: int | None = None, hi: int | None = None, allow_none: bool = False,
+              hint: str = "") -> None:
+    """`value` is an int in [lo, hi] (either bound may be open-ended), or None when `allow_none`."""
     if value is None and allow_none:
         return
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if _is_int(value) and (lo is None or value >= lo) and (hi is None or value <= hi):
+        return
+    if hi is not None:
+        what = f"an integer in {lo}..{hi}"
+    else:
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(lo, f"an integer >= {lo}")
+    raise ValueError(f"{name} must be {what}{hint}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_positive_int(name: str, value: Any, allow_none: bool = False) -> None:
+    check_int(name, value, lo=1, allow_none=allow_none)
+
+
+def check_number(name: str, value: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False,
+                 hi_open: bool = False, allow_none: bool = False, hint: str = "") -> None:
+    """`value` is an int or float within the bounds (open or closed), or None when `allow_none`."""
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    if ok and lo is not None:
+        ok = value > lo if lo_open else value >= lo
+    if ok and hi is not None:
+        ok = value < hi if hi_open else value <= hi
+    if ok:
+        return
+    if lo is not None and hi is not None:
+        what = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+    elif lo is not None:
+        what = f"a number {'>' if lo_open else '>='} {lo:g}"
+    else:
+        what = f"a number {'<' if hi_open else '<='} {hi:g}" if hi is not None else "a number"
+    raise ValueError(f"{name} must be {what}{hint}{' or None' if allow_none else ''}, got {value!r}")
+
+
+def check_bool(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")

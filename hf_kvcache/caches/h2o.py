@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..options import CacheOptions, check_choice, check_positive_int
+from ..options import CacheOptions, check_choice, check_int, check_number, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
@@ -126,13 +126,9 @@ class H2OOptions(CacheOptions):
         if isinstance(b, float) and not 0.0 < b <= 1.0:
             raise ValueError(f"a float budget is a ratio of the tokens seen, in (0, 1]; got {b}")
         for name in ("sink_length", "recent_length", "heavy_length"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
-                raise ValueError(f"{name} must be a non-negative integer, got {v!r}")
+            check_int(name, getattr(self, name), lo=0, allow_none=True)
         for name in ("recent_ratio", "heavy_ratio"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1):
-                raise ValueError(f"{name} must be a number in [0, 1], got {v!r}")
+            check_number(name, getattr(self, name), 0.0, 1.0, allow_none=True)
         given = [n for n in SPLIT_OPTIONS if getattr(self, n) is not None]
         if len(given) > 1:
             raise ValueError(
@@ -157,16 +153,14 @@ class H2OOptions(CacheOptions):
                 raise ValueError(
                     f"decay applies to the policies that accumulate attention mass (h2o, hybrid), not {self.policy!r}"
                 )
-            if isinstance(self.decay, bool) or not isinstance(self.decay, (int, float)) or not 0 < self.decay <= 1:
-                raise ValueError(f"decay must be a number in (0, 1] (the fading per query), got {self.decay!r}")
+            check_number("decay", self.decay, 0.0, 1.0, lo_open=True, hint=" (the fading per query)")
         for name in ("window", "pool"):
             v = getattr(self, name)
             if v is None:
                 continue
             if self.policy not in WINDOW_POLICIES:
                 raise ValueError(f"{name} applies to the {' / '.join(WINDOW_POLICIES)} policy, not {self.policy!r}")
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+            check_positive_int(name, v)
         if self.pool is not None and self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
         if self.quant_bits not in QUANT_BITS or isinstance(self.quant_bits, bool):

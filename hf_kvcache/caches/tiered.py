@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..options import CacheOptions, check_choice, check_positive_int
+from ..options import CacheOptions, check_bool, check_choice, check_int, check_number, check_positive_int
 from ..quant.kivi import AXES, dequantize_kivi, quantize_kivi
 from ..quant.kvquant import NUQQuantized, apply_rope, dequantize_nuq, fit_codebook, quantize_nuq, rope_cos_sin, undo_rope
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
@@ -51,30 +51,16 @@ TIERS = ("sink", "archive", "warm", "tail")
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 
-def _check_nonneg_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
-
-
-def _check_bits(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= 8:
-        raise ValueError(f"{name} must be an integer in 1..8, got {value!r}")
-
-
 def _check_quant_knobs(opts: Any) -> None:
     check_choice("key_axis", opts.key_axis, AXES)
     check_positive_int("group_size", opts.group_size)
     check_positive_int("value_group_size", opts.value_group_size, allow_none=True)
-    _check_nonneg_int("sink_length", opts.sink_length)
+    check_int("sink_length", opts.sink_length, lo=0)
     check_choice("rotation", opts.rotation, ROTATIONS)
     check_choice("rotation_dtype", opts.rotation_dtype, ROTATION_DTYPES)
-    if isinstance(opts.clip_ratio, bool) or not isinstance(opts.clip_ratio, (int, float)) or not (
-        0.0 < opts.clip_ratio <= 1.0
-    ):
-        raise ValueError(f"clip_ratio must be a number in (0, 1], got {opts.clip_ratio!r}")
+    check_number("clip_ratio", opts.clip_ratio, 0.0, 1.0, lo_open=True)
     opts.clip_ratio = float(opts.clip_ratio)
-    if not isinstance(opts.clip_search, bool):
-        raise ValueError(f"clip_search must be True or False, got {opts.clip_search!r}")
+    check_bool("clip_search", opts.clip_search)
     check_choice("clip_on", opts.clip_on, CLIP_TARGETS)
     check_choice("tail_dtype", opts.tail_dtype, TAIL_DTYPES)
 
@@ -138,19 +124,13 @@ class TieredQuantOptions(CacheOptions):
     recipes: list | None = None
 
     def validate(self) -> None:
-        _check_nonneg_int("tail_length", self.tail_length)
-        _check_nonneg_int("warm_length", self.warm_length)
-        if isinstance(self.warm_fraction, bool) or not isinstance(self.warm_fraction, (int, float)) or not (
-            0.0 <= self.warm_fraction <= 1.0
-        ):
-            raise ValueError(f"warm_fraction must be a number in [0, 1], got {self.warm_fraction!r}")
-        _check_bits("warm_bits", self.warm_bits)
-        _check_bits("archive_bits", self.archive_bits)
+        check_int("tail_length", self.tail_length, lo=0)
+        check_int("warm_length", self.warm_length, lo=0)
+        check_number("warm_fraction", self.warm_fraction, 0.0, 1.0)
+        check_int("warm_bits", self.warm_bits, 1, 8)
+        check_int("archive_bits", self.archive_bits, 1, 8)
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
-        if isinstance(self.archive_outliers, bool) or not isinstance(self.archive_outliers, (int, float)) or not (
-            0.0 <= self.archive_outliers < 0.5
-        ):
-            raise ValueError(f"archive_outliers must be a fraction in [0, 0.5), got {self.archive_outliers!r}")
+        check_number("archive_outliers", self.archive_outliers, 0.0, 0.5, hi_open=True)
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
         check_positive_int("calibration_queries", self.calibration_queries)
@@ -194,8 +174,8 @@ class KIVIOptions(CacheOptions):
     tail_dtype: str | None = "auto"
 
     def validate(self) -> None:
-        _check_nonneg_int("residual_length", self.residual_length)
-        _check_bits("bits", self.bits)
+        check_int("residual_length", self.residual_length, lo=0)
+        check_int("bits", self.bits, 1, 8)
         _check_quant_knobs(self)
 
     def as_tiered(self) -> TieredQuantOptions:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ...options import CacheOptions, check_choice, check_positive_int
+from ...options import CacheOptions, check_bool, check_choice, check_int, check_positive_int
 from .features import FEATURE_KINDS
 
 STREAMS = ("k", "v")
@@ -72,8 +72,7 @@ class CPACOptions(CacheOptions):
 
     def validate(self) -> None:
         check_positive_int("page_size", self.page_size)
-        if not isinstance(self.recent_pages, int) or isinstance(self.recent_pages, bool) or self.recent_pages < 0:
-            raise ValueError(f"recent_pages must be a non-negative integer, got {self.recent_pages!r}")
+        check_int("recent_pages", self.recent_pages, lo=0)
         check_choice("delta_bits", self.delta_bits, DELTA_BITS)
         if isinstance(self.delta_scale, (list, tuple)):
             if len(self.delta_scale) != 2:
@@ -122,14 +121,9 @@ class CPACOptions(CacheOptions):
         pi = self.protect_importance
         if pi is not None and not (_is_number(pi) and 0.0 <= pi <= 1.0):
             raise ValueError(f"protect_importance must be in [0, 1] or None (no protection), got {pi!r}")
-        if not isinstance(self.delta_asymmetric, bool):
-            raise ValueError(f"delta_asymmetric must be True or False, got {self.delta_asymmetric!r}")
-        if not isinstance(self.importance_weighting, bool):
-            raise ValueError(f"importance_weighting must be True or False, got {self.importance_weighting!r}")
-        if self.max_bases is not None and (
-            not isinstance(self.max_bases, int) or isinstance(self.max_bases, bool) or self.max_bases < 0
-        ):
-            raise ValueError(f"max_bases must be a non-negative integer or None, got {self.max_bases!r}")
+        check_bool("delta_asymmetric", self.delta_asymmetric)
+        check_bool("importance_weighting", self.importance_weighting)
+        check_int("max_bases", self.max_bases, lo=0, allow_none=True)
 
     @property
     def groups(self) -> tuple:
