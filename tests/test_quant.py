@@ -27,13 +27,13 @@ def test_pack_rejects_bad_input():
 
 @pytest.mark.parametrize(
     "kwargs,rel_err",
-    [
-        (dict(bits=8), 0.01),
-        (dict(bits=4, group_size=32), 0.15),
-        (dict(bits=4, group_size=64, symmetric=False), 0.15),
-        (dict(bits=2, group_size=32, symmetric=False), 0.6),
-        (dict(fmt="fp8_e4m3"), 0.08),
-        (dict(fmt="fp8_e5m2"), 0.15),
+    [  # about 1.3x the measured error of this seeded input (measured in the comments)
+        (dict(bits=8), 0.008),  # 0.0061
+        (dict(bits=4, group_size=32), 0.125),  # 0.0969
+        (dict(bits=4, group_size=64, symmetric=False), 0.12),  # 0.0908
+        (dict(bits=2, group_size=32, symmetric=False), 0.5),  # 0.392
+        (dict(fmt="fp8_e4m3"), 0.033),  # 0.0254
+        (dict(fmt="fp8_e5m2"), 0.064),  # 0.0493
     ],
 )
 def test_quantize_error_is_bounded(kwargs, rel_err):

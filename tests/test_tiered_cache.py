@@ -181,21 +181,21 @@ def test_kivi_cache_has_two_tiers():
 
 
 @pytest.mark.parametrize(
-    "options",
-    [
-        dict(rotation="both"),
-        dict(rotation="values", clip_search=True),
-        dict(key_axis="token"),
-        dict(clip_ratio=0.9, value_group_size=64),
-        dict(warm_bits=3, archive_bits=3),
-        dict(warm_length=0, tail_length=0),
+    "options,bound",
+    [  # about 1.3x the larger measured relative error of keys / values (in the comments)
+        (dict(rotation="both"), 0.35),  # 0.265 / 0.263
+        (dict(rotation="values", clip_search=True), 0.34),  # 0.262 / 0.226
+        (dict(key_axis="token"), 0.35),  # 0.263 / 0.265
+        (dict(clip_ratio=0.9, value_group_size=64), 0.40),  # 0.262 / 0.309
+        (dict(warm_bits=3, archive_bits=3), 0.17),  # 0.129 / 0.130
+        (dict(warm_length=0, tail_length=0), 0.42),  # 0.320 / 0.323
     ],
 )
-def test_recipes_reconstruct(options):
+def test_recipes_reconstruct(options, bound):
     cache = TieredQuantCache(config=tiny_config(), **{**SMALL, **options})
     k, v = feed(cache, [150])
     km, vm = cache.layers[0].materialize()
-    assert rel(km, k) < 0.4 and rel(vm, v) < 0.4
+    assert rel(km, k) < bound and rel(vm, v) < bound, (rel(km, k), rel(vm, v))
 
 
 def test_low_precision_tail():

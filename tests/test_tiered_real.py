@@ -48,5 +48,7 @@ def test_perplexity_close_to_dynamic(smol, moby_text):
     res = streaming_perplexity(model, ids, cache, 32)
     stats = cache.memory_stats()
     assert stats["tiers"]["archive"]["tokens"] >= 350
-    assert abs(res.perplexity / ref.perplexity - 1) < 0.10, (res.perplexity, ref.perplexity)
-    assert res.ratio > 2.5
+    rel = abs(res.perplexity / ref.perplexity - 1)
+    print(f"perplexity {res.perplexity:.3f} vs dynamic {ref.perplexity:.3f} ({rel:+.2%}), ratio {res.ratio:.2f}")
+    assert rel < 0.08, (res.perplexity, ref.perplexity)  # measured +6.1 % (+5.8 % before warm_fraction)
+    assert res.ratio > 3.9  # measured 4.06

@@ -29,14 +29,16 @@ def fill(cache, tokens=40, chunks=(17, 1, 22)):
     return torch.cat(ks, 2), torch.cat(vs, 2)
 
 
-@pytest.mark.parametrize("dtype,max_err", [("int8", 0.02), ("int4", 0.3), ("fp8_e4m3", 0.15), ("fp8_e5m2", 0.3)])
+# bounds about 1.3x the measured relative error of keys / values: int8 0.0061 / 0.0058, int4 0.0974 / 0.0956,
+# fp8_e4m3 0.0250 / 0.0251, fp8_e5m2 0.0497 / 0.0500
+@pytest.mark.parametrize("dtype,max_err", [("int8", 0.008), ("int4", 0.125), ("fp8_e4m3", 0.033), ("fp8_e5m2", 0.065)])
 def test_roundtrip_and_positions(dtype, max_err):
     cache = UniformQuantCache(config=tiny_config(), dtype=dtype)
     k, v = fill(cache)
     assert cache.get_seq_length() == 40
     k_out, v_out = cache.layers[0].materialize()
     assert k_out.shape == k.shape and v_out.dtype == torch.float32
-    assert ((k_out - k).norm() / k.norm()) < max_err
+    assert ((k_out - k).norm() / k.norm()) < max_err and ((v_out - v).norm() / v.norm()) < max_err
     assert cache.get_mask_sizes(1, 0) == (41, 0)
 
 
