@@ -50,7 +50,7 @@ def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text, fused_ca
             reference_cache.unbind()
             ref = forward(model, "sdpa", token, reference_cache)
             fused = forward(model, "hf_kvcache", token, cache)
-            torch.testing.assert_close(fused, ref, atol=5e-4, rtol=1e-4)
+            torch.testing.assert_close(fused, ref, atol=5e-5, rtol=0)  # measured 3.6e-5 over the 300 steps
             worst = max(worst, float((fused - ref).abs().max()))
             token = fused.argmax(-1, keepdim=True)
     finally:
@@ -81,7 +81,11 @@ def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text, fused
     assert len(fused_calls) >= 19 * model.config.num_hidden_layers and model.config._attn_implementation == "sdpa"
     cache = TieredQuantCache(config=model.config, **OPTIONS)
     cache.set_padding(batch.attention_mask)
+    cache.reads_fused = False  # generate would bind this cache too: the reference reads dequantized tensors with SDPA
+    served = len(fused_calls)
     runs["sdpa"] = model.generate(**batch, past_key_values=cache, **kw)
+    assert len(fused_calls) == served and model.config._attn_implementation == "sdpa"
     assert torch.equal(runs["hf_kvcache"].sequences, runs["sdpa"].sequences)
-    torch.testing.assert_close(torch.stack(runs["hf_kvcache"].logits), torch.stack(runs["sdpa"].logits),
-                               atol=1e-2, rtol=1e-3)
+    diff = float((torch.stack(runs["hf_kvcache"].logits) - torch.stack(runs["sdpa"].logits)).abs().max())
+    print(f"max |fused - dequantize| logit difference, padded batch of 2, 20 steps: {diff:.2e}")
+    assert diff < 5e-3, diff  # measured 3.7e-3: the two runs quantize their own (slightly different) tokens
