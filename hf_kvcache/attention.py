@@ -161,7 +161,7 @@ class BlockwiseTorchKernel:
             visible = m
         else:
             scores.add_(m)
-            visible = m > torch.finfo(m.dtype).min / 2
+            visible = mask_as_bool(m)
         dead = ~visible.any(dim=-1, keepdim=True)
         return dead if bool(dead.any()) else None
 
@@ -177,12 +177,17 @@ def register_kernel(kernel: Kernel, first: bool = True) -> None:
         KERNELS.append(kernel)
 
 
+def mask_as_bool(mask: torch.Tensor) -> torch.Tensor:
+    """An attention mask as booleans (True: may attend): bool masks as they are, additive float masks where they
+    are above half the dtype's lowest value (transformers fills masked entries with that lowest value)."""
+    return mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
+
+
 def visible_keys(mask: torch.Tensor | None, batch: int) -> torch.Tensor | None:
     """`[batch, kv_len]` bool: keys at least one query (of any head) may attend; None when there is no mask."""
     if mask is None:
         return None
-    m = mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2
-    return m.any(dim=2).any(dim=1).expand(batch, -1)
+    return mask_as_bool(mask).any(dim=2).any(dim=1).expand(batch, -1)
 
 
 def _with_key_mask(
@@ -200,7 +205,7 @@ def _with_key_mask(
         new = torch.ones(q_len, q_len, dtype=torch.bool, device=dev)
         new = (new.tril() if is_causal and q_len > 1 else new)[None, None]
     else:
-        new = (mask if mask.dtype == torch.bool else mask > torch.finfo(mask.dtype).min / 2)[..., -q_len:]
+        new = mask_as_bool(mask)[..., -q_len:]
     held = torch.ones(*new.shape[:-1], kv - q_len, dtype=torch.bool, device=dev)
     return torch.cat([held, new], dim=-1) & per_head
 

@@ -15,7 +15,7 @@ import dataclasses
 
 import torch
 
-from .attention import KERNELS, AttentionCall, register_kernel
+from .attention import KERNELS, AttentionCall, mask_as_bool, register_kernel
 from .kernels.decode_attention import decode_attention
 from .kernels.segments import FullSegment
 
@@ -35,9 +35,7 @@ class FusedCompressedKernel:
             kernel = next(k for k in KERNELS if k is not self and k.supports(plain))
             return kernel(plain)
         segments = [*view.segments, FullSegment(view.new_keys, view.new_values)]
-        mask = call.mask
-        if mask is not None and mask.dtype != torch.bool:
-            mask = mask > torch.finfo(mask.dtype).min / 2
+        mask = None if call.mask is None else mask_as_bool(call.mask)
         out, mass = decode_attention(call.query, segments, mask, call.scaling, return_mass=call.want_mass)
         return out.transpose(1, 2).contiguous(), mass
 
