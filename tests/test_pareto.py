@@ -46,3 +46,19 @@ def test_bad_inputs_name_the_fix(tmp_path, capsys):
     lacking.write_text(json.dumps([{"cache": "x", "ratio": 2.0}]))
     with pytest.raises(ValueError, match=r"lacks \['perplexity', 'delta_pct'\]"):
         load_points([str(lacking)])
+
+
+def test_proxy_correlation(tmp_path):
+    from hf_kvcache.eval.proxy_check import correlation, pairs
+
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"cache": "dynamic", "delta_pct": 0.0}] + [
+        {"cache": f"c{i}", "delta_pct": d, "proxy": q} for i, (q, d) in enumerate([(0.01, 0.5), (0.02, 3.0), (0.05, 2.0),
+                                                                                    (0.1, 9.0)])]))
+    pts = pairs(str(path))
+    assert [p[0] for p in pts] == ["c0", "c1", "c2", "c3"]
+    r, s = correlation([q for _, q, _ in pts], [d for _, _, d in pts])
+    assert s == pytest.approx(0.8)  # ranks 0,1,2,3 vs 0,2,1,3
+    assert r == pytest.approx(0.9127, abs=1e-3)  # numpy.corrcoef of the same points
+    with pytest.raises(ValueError, match="at least 3"):
+        correlation([0.1, 0.2], [1.0, 2.0])
