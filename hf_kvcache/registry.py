@@ -124,6 +124,15 @@ def _release(model, depth: int) -> None:
             model.set_attn_implementation(lease.attn_implementation)
 
 
+def _chunk_prefill(cache, generation_config) -> None:
+    """Prefill long prompts in chunks (transformers' `prefill_chunk_size`) for caches of ours that ask for it
+    (`prefill_chunk_size`), so the full-precision keys/values of a whole long prompt never exist at once; a value in
+    the generation config wins (generate works on its own copy of that config)."""
+    chunk = getattr(cache, "prefill_chunk_size", None)
+    if chunk and getattr(generation_config, "prefill_chunk_size", None) is None:
+        generation_config.prefill_chunk_size = chunk
+
+
 def _record_padding(cache, model_kwargs: dict) -> None:
     """Tell an empty cache of ours which positions of the prompt are left padding (`CompressedCache.set_padding`)."""
     if hasattr(cache, "set_padding") and cache.get_seq_length() == 0:
@@ -151,11 +160,13 @@ def install() -> None:
             model_kwargs["past_key_values"] = cache
             _attention_for(self, cache)
             _record_padding(cache, model_kwargs)
+            _chunk_prefill(cache, generation_config)
             if generation_config.is_assistant:
                 cache.activate_past_recording()
             return None
         _attention_for(self, model_kwargs.get("past_key_values"))
         _record_padding(model_kwargs.get("past_key_values"), model_kwargs)
+        _chunk_prefill(model_kwargs.get("past_key_values"), generation_config)
         return original(self, generation_config, model_kwargs, *args, **kwargs)
 
     @functools.wraps(original_generate)
