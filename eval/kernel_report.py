@@ -350,8 +350,9 @@ def layout_bytes(opts, n_tokens: int, head_dim: int, elem_bytes: int = 2) -> dic
     d, s = head_dim, 2  # fp16 scales and zeros
     tail = _tier_tokens(n_tokens, opts.tail_length, opts.group_size)
     quantized = n_tokens - tail
-    if opts.warm_length:
-        warm = _tier_tokens(quantized, opts.warm_length, opts.archive_group)
+    if opts.warm_length:  # the warm tier keeps warm_length, or warm_fraction of the positions seen
+        target = max(opts.warm_length, int(opts.warm_fraction * n_tokens) // opts.group_size * opts.group_size)
+        warm = _tier_tokens(quantized, target, opts.archive_group)
     else:
         warm = 0
     archive = quantized - warm

@@ -36,6 +36,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int) -
     import torch
 
     import hf_kvcache  # noqa: F401
+    from hf_kvcache.caches.base import memory_stats
     from hf_kvcache.eval import load_model, load_text, load_tokens
     from hf_kvcache.eval.bench import CacheSpec
 
@@ -58,7 +59,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int) -
         out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
     seconds = time.perf_counter() - t0
     peak = _status_kib("VmHWM")
-    stats = cache.memory_stats() if cache is not None else {}
+    stats = memory_stats(cache) if cache is not None else {}  # peers (transformers' caches) too
     return {"cache": spec, "tokens": tokens, "peak_added_bytes": (peak - before) * 1024, "seconds": seconds,
             "cache_bytes": stats.get("bytes"), "new_tokens": int(out.shape[1] - ids.shape[1])}
 
