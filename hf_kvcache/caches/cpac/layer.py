@@ -7,7 +7,6 @@ import copy
 import logging
 import math
 import time
-from typing import Any
 
 import torch
 
@@ -146,7 +145,7 @@ class CPACLayer(CompressedLayer):
         return self.n_pages * self.options.page_size + self.tail_tokens() if self.pools else 0
 
     # ---- update / attention mass --------------------------------------------------------------------------------
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any):
+    def _begin_update(self) -> None:
         if self._pending:  # the attention after the last update reported no mass: rank without it from now on
             self._pending = False
             self._mass_mode = False
@@ -158,7 +157,6 @@ class CPACLayer(CompressedLayer):
                     "no importance weighting, no importance protection; recent pages stay protected)"
                 )
             self.compress_ready()
-        return super().update(key_states, value_states, *args, **kwargs)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         fd = self.options.torch_full_dtype
