@@ -467,21 +467,21 @@ class H2OLayer(CompressedLayer):
         self._batch_op(lambda: super(H2OLayer, self).batch_repeat_interleave(repeats),
                        lambda t: t.repeat_interleave(repeats, dim=0))
 
-    def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove < 0 and self.is_initialized and self.evicted() > 0:
+    def _crop_newest(self, n: int) -> None:
+        if self.evicted() > 0:
             raise ValueError(
-                f"H2OCache cannot crop {-tokens_to_remove} token(s): this layer already evicted "
+                f"H2OCache cannot crop {n} token(s): this layer already evicted "
                 f"{self.evicted()} of the {self.cumulative_length} tokens it saw, so the cache before those tokens "
                 "cannot be restored. Assisted / speculative decoding needs a cache that does not evict (or a budget "
                 "that covers the whole sequence)."
             )
         compact = self.counts is not None
         self._expand()
-        super().crop(tokens_to_remove)
+        super()._crop_newest(n)
         if compact:
             self._compact(self.store["positions"] >= 0)
         if self.queries is not None:  # queries of cropped positions go too
-            keep = self.query_positions < self.cumulative_length
+            keep = self.query_positions < self.cumulative_length - n
             self.queries, self.query_positions = self.queries[:, :, keep], self.query_positions[keep]
             self.query_valid = self.query_valid[:, keep]
 
