@@ -4,7 +4,8 @@
   `[B, H, T, D]` -> codes `[B, H, T, packed(D)]`, scale/zero `[B, H, T // group, D]` (T a multiple of `group`).
 - values, per token: groups of `group` channels; codes `[B, H, T, packed(D)]`, scale/zero `[B, H, T, D // group]`.
 Asymmetric min/max, codes packed along the channel dim as a little-endian bit stream (`quant.packing`), fp16 scales
-rounded up (`quant.uniform.scale_to_fp16`). Triton runs on CUDA tensors; `kivi_quantize_*` dispatch.
+rounded up (`quant.uniform.scale_to_fp16`). Triton runs on CUDA tensors; `kivi_quantize_*` dispatch, and so does
+`quant.kivi.quantize_kivi` (what the caches call) when no clipping is asked for.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_kvcache.quant.packing import pack_bits, packed_length
-from hf_kvcache.quant.uniform import quantize, scale_to_fp16
+from hf_kvcache.quant.kivi import quantize_kivi
+from hf_kvcache.quant.packing import packed_length
 
 _TINY = 1e-6
 _SUPPORTED_BITS = (2, 3, 4, 8)
@@ -29,21 +30,16 @@ def _check(x: torch.Tensor, bits: int, group: int, axis_len: int, what: str) -> 
         raise ValueError(f"{what}: {axis_len} is not a multiple of group={group}")
 
 
-# ---- torch references -------------------------------------------------------------------------------------------------
+# ---- torch references: the library's one KIVI quantizer (`quant.kivi.quantize_kivi`) -----------------------------------
 def kivi_keys_reference(k: torch.Tensor, bits: int, group: int):
-    b, h, t, d = k.shape
-    _check(k, bits, group, t, "keys")
-    g = k.float().reshape(b, h, t // group, group, d)
-    lo, hi = g.amin(3), g.amax(3)
-    scale = scale_to_fp16((hi - lo) / (2**bits - 1))
-    zero = lo.to(torch.float16)
-    q = torch.round((g - zero.float().unsqueeze(3)) / scale.float().unsqueeze(3)).clamp(0, 2**bits - 1)
-    return pack_bits(q.to(torch.uint8).reshape(b, h, t, d), bits), scale, zero
+    _check(k, bits, group, k.shape[2], "keys")
+    q = quantize_kivi(k, bits, group, "channel", use_triton=False)
+    return q.codes, q.scale, q.zero
 
 
 def kivi_values_reference(v: torch.Tensor, bits: int, group: int):
     _check(v, bits, group, v.shape[-1], "values")
-    q = quantize(v, "int", bits, group, symmetric=False)
+    q = quantize_kivi(v, bits, group, "token", use_triton=False)
     return q.codes, q.scale, q.zero
 
 

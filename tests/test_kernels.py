@@ -167,3 +167,17 @@ def test_decode_attention_half_precision_queries(use_triton, dtype):
         out, _ = decode_attention(q, [seg, tail], use_triton=use_triton, return_mass=return_mass, block=32)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
+
+
+def test_the_cache_quantizer_dispatches_to_the_triton_kernels():
+    """quantize_kivi (what the caches call) runs the fused Triton quantize+pack when asked (on CUDA: by default when
+    no clipping is asked for) and stores exactly what its torch path stores."""
+    from hf_kvcache.quant.kivi import _triton_serves, quantize_kivi
+
+    torch.manual_seed(0)
+    x = torch.randn(2, 3, 64, 64) * 2
+    for axis in ("channel", "token"):
+        ref, tri = quantize_kivi(x, 2, 32, axis, use_triton=False), quantize_kivi(x, 2, 32, axis, use_triton=True)
+        assert torch.equal(ref.codes, tri.codes) and torch.equal(ref.scale, tri.scale) and torch.equal(ref.zero, tri.zero)
+    assert _triton_serves(x, 4, 32, 1.0, False) and not _triton_serves(x, 4, 32, 1.0, True)
+    assert not _triton_serves(x, 5, 32, 1.0, False) and not _triton_serves(x[..., :48], 4, 32, 1.0, False)

@@ -110,13 +110,24 @@ def quantize_kivi(
     axis: str = "token",
     clip_ratio: float = 1.0,
     clip_search: bool = False,
+    use_triton: bool | None = None,
 ) -> KIVIQuantized:
-    """Asymmetric min/max quantization of `x` ([..., tokens, dim]) in KIVI groups along `axis`."""
+    """Asymmetric min/max quantization of `x` ([..., tokens, dim]) in KIVI groups along `axis`.
+
+    use_triton: the fused quantize+pack kernels of `hf_kvcache.kernels.kivi_pack` (bit-identical codes, scales and
+    zeros); None: on CUDA tensors whenever they serve the call (no clipping, widths 2/3/4/8, power-of-two dims and
+    groups, `[batch, heads, tokens, dim]`)."""
     check_kivi_args(bits, group_size, axis)
     if not torch.is_floating_point(x):
         raise ValueError(f"can only quantize floating-point tensors, got {x.dtype}")
     if not 0.0 < clip_ratio <= 1.0:
         raise ValueError(f"clip_ratio must be in (0, 1], got {clip_ratio!r}")
+    if use_triton or (use_triton is None and x.is_cuda and _triton_serves(x, bits, group_size, clip_ratio, clip_search)):
+        from ..kernels.kivi_pack import kivi_keys_triton, kivi_values_triton
+
+        fn = kivi_keys_triton if axis == "channel" else kivi_values_triton
+        codes, scale, zero = fn(x, bits, group_size)
+        return KIVIQuantized(codes, scale, zero, bits, group_size, axis, x.shape[-1])
     dim = x.shape[-1]
     g, red = _group_view(x.float(), group_size, axis)
     if clip_search:
@@ -139,6 +150,11 @@ def quantize_kivi(
         q, scale, zero, _, _ = _codes_for(g, red, lo, hi, bits)
     codes = pack_bits(q.to(torch.uint8).reshape(x.shape), bits)
     return KIVIQuantized(codes, scale.contiguous(), zero.contiguous(), bits, group_size, axis, dim)
+
+
+def _triton_serves(x: torch.Tensor, bits: int, group_size: int, clip_ratio: float, clip_search: bool) -> bool:
+    pow2 = all(n > 0 and n & (n - 1) == 0 for n in (x.shape[-1], group_size))
+    return x.dim() == 4 and bits in (2, 3, 4, 8) and pow2 and clip_ratio == 1.0 and not clip_search
 
 
 def _lut(bits: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
