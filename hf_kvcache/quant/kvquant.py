@@ -35,6 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..rope import rotate_half
 from .packing import pack_bits, unpack_bits
 from .rows import TokenRows
 from .uniform import scale_to_fp16
@@ -45,12 +46,6 @@ _MIN_SCALE = 2.0**-14  # smallest normal fp16: a constant group still gets a usa
 
 
 # ---------------------------------------------------------------------------------------------------------------- RoPE
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """`cat(-x2, x1)` of the two halves of the last dim (transformers' convention)."""
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
-
-
 def _rope_args(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k.dim() < 2 or k.shape[-1] % 2:
         raise ValueError(f"keys must be [..., tokens, head_dim] with an even head_dim, got {tuple(k.shape)}")
