@@ -130,6 +130,13 @@ def run_benchmark(
     return rows
 
 
+def write_json(path: str | None, data) -> None:
+    """Write `data` (bench rows, a report) as indented JSON to `path`; nothing when `path` is None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+
+
 def format_table(rows: list[dict]) -> str:
     cols = [
         ("cache", "{}", "cache"),

@@ -15,6 +15,7 @@ import torch
 import hf_kvcache
 
 from .assets import load_model, load_text, load_tokens
+from .bench import write_json
 from .perplexity import streaming_perplexity
 
 
@@ -40,9 +41,7 @@ def main(argv: list[str] | None = None) -> int:
         if r is not None:
             errs = " ".join(f"{k}={v:.4f}" for k, v in r["errors"].items())
             print(f"layer {i:2d}: {r['rotation']:6s} ({r['source']}) {errs}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(recipes, f, indent=1)
+    write_json(args.json, recipes)
     return 0
 
 

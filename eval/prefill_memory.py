@@ -20,6 +20,8 @@ import os
 import subprocess
 import sys
 
+from .bench import write_json
+
 
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
@@ -97,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         vs = f"{r['peak_added_bytes'] / base:.2f}x" if base else "-"
         held = f"{r['cache_bytes'] / 2**20:.1f} MiB" if r["cache_bytes"] else "-"
         print(f"| {r['tokens']} | {r['cache']} | {r['peak_added_bytes'] / 2**20:.1f} MiB | {vs} | {held} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

@@ -12,13 +12,12 @@ as it is measured (the peers re-quantize their whole cache at every flush and ta
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
 
 from .assets import load_model, load_text, load_tokens
-from .bench import CacheSpec, decode_tokens_per_s, format_table
+from .bench import CacheSpec, decode_tokens_per_s, format_table, write_json
 from .perplexity import streaming_perplexity
 
 PEERS = [
@@ -115,9 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             if "tiers" in r:
                 parts = [f"{n} {t['bytes']:,} B / {t['tokens']}" for n, t in r["tiers"].items() if t["tokens"]]
                 print(f"  {r['cache']}: " + ", ".join(parts))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, rows)
     return 0
 
 

@@ -28,7 +28,7 @@ def _cmd_ppl(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark, write_json
 
     specs = [CacheSpec.parse(s) for s in args.caches]
     rows = run_benchmark(specs, args.model, args.text, args.start, args.tokens, args.chunk, args.decode_steps)
@@ -37,14 +37,12 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         f"(delta vs {specs[0].label})"
     )
     print(format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, rows)
     return 0
 
 
 def _cmd_passkey(args: argparse.Namespace) -> int:
-    from hf_kvcache.eval.bench import CacheSpec
+    from hf_kvcache.eval.bench import CacheSpec, write_json
     from hf_kvcache.eval.passkey import dump_trials, format_passkey_table, make_trials, run_passkey
 
     depths = tuple(args.depths)
@@ -66,9 +64,7 @@ def _cmd_passkey(args: argparse.Namespace) -> int:
         "before the question"
     )
     print(format_passkey_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+    write_json(args.json, rows)
     return 0
 
 
