@@ -7,6 +7,7 @@ from transformers import LlamaConfig
 import hf_kvcache.caches.tiered as tiered_mod
 from hf_kvcache import KIVICache, TieredQuantCache, build_cache, memory_stats
 from hf_kvcache.caches.tiered import KIVIOptions, TieredQuantLayer, TieredQuantOptions
+from random_kv import stream_random
 
 B, H, D, LAYERS = 2, 3, 64, 2
 # small tiers; one group size everywhere, no sinks, an exact (model dtype) tail: easy to count
@@ -22,15 +23,7 @@ def tiny_config(**kw):
 
 
 def feed(cache, chunks, seed=0):
-    torch.manual_seed(seed)
-    ks, vs = [], []
-    for n in chunks:
-        k, v = torch.randn(B, H, n, D), torch.randn(B, H, n, D)
-        for layer in range(LAYERS):
-            cache.update(k, v, layer)
-        ks.append(k)
-        vs.append(v)
-    return torch.cat(ks, 2), torch.cat(vs, 2)
+    return stream_random(cache, chunks, B, H, D, LAYERS, seed)
 
 
 def rel(a, b):

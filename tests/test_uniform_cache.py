@@ -6,6 +6,7 @@ from transformers import LlamaConfig
 
 from hf_kvcache import UniformQuantCache
 from hf_kvcache.caches.uniform import UniformQuantOptions
+from random_kv import stream_random
 
 B, H, D, LAYERS = 2, 3, 64, 2
 
@@ -17,16 +18,8 @@ def tiny_config(**kw):
     )
 
 
-def fill(cache, tokens=40, chunks=(17, 1, 22)):
-    torch.manual_seed(0)
-    ks, vs = [], []
-    for n in chunks:
-        k, v = torch.randn(B, H, n, D), torch.randn(B, H, n, D)
-        for layer in range(LAYERS):
-            cache.update(k, v, layer)
-        ks.append(k)
-        vs.append(v)
-    return torch.cat(ks, 2), torch.cat(vs, 2)
+def fill(cache, chunks=(17, 1, 22)):
+    return stream_random(cache, chunks, B, H, D, LAYERS)
 
 
 # bounds about 1.3x the measured relative error of keys / values: int8 0.0061 / 0.0058, int4 0.0974 / 0.0956,
