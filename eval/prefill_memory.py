@@ -31,7 +31,7 @@ def _status_kib(field: str) -> int:
     raise ValueError(f"/proc/self/status has no {field}; this measurement needs Linux")
 
 
-def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int) -> dict:
+def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int, chunk: int | None = None) -> dict:
     """Run in this process: peak RSS added by one generate (see the module docstring)."""
     import time
 
@@ -48,6 +48,8 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int) -
         model.generate(ids[:, :64], max_new_tokens=2, do_sample=False)
     plain = spec in ("dynamic", "dynamic-chunked")
     cache = None if plain else CacheSpec.parse(spec).build(model)
+    if chunk is not None and hasattr(cache, "prefill_chunk_size"):
+        cache.prefill_chunk_size = chunk
     gc.collect()
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the baseline RSS is what is live
     with open("/proc/self/clear_refs", "w") as f:
@@ -57,7 +59,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int) -
     with torch.no_grad():
         kwargs = {} if cache is None else {"past_key_values": cache}
         if spec == "dynamic-chunked":  # DynamicCache with the same chunked prefill our caches use
-            kwargs["prefill_chunk_size"] = 2048
+            kwargs["prefill_chunk_size"] = chunk or 2048
         out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
     seconds = time.perf_counter() - t0
     peak = _status_kib("VmHWM")
@@ -73,17 +75,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--caches", nargs="+", default=["dynamic", "dynamic-chunked", "tiered", "kivi"])
     p.add_argument("--new", type=int, default=8, help="tokens generated after the prompt")
     p.add_argument("--start", type=int, default=5000, help="first prompt token in Moby Dick")
+    p.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk of our caches and dynamic-chunked "
+                   "(default: the caches' prefill_chunk_size, 2048)")
     p.add_argument("--json", default=None)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: measure in this process
     args = p.parse_args(argv)
     if args.one:
-        print(json.dumps(measure_one(args.model, args.caches[0], args.tokens[0], args.new, args.start)))
+        print(json.dumps(measure_one(args.model, args.caches[0], args.tokens[0], args.new, args.start,
+                                     args.prefill_chunk)))
         return 0
     rows = []
     for tokens in args.tokens:
         for spec in args.caches:
             cmd = [sys.executable, "-m", "hf_kvcache.eval.prefill_memory", "--one", "--model", args.model,
                    "--tokens", str(tokens), "--caches", spec, "--new", str(args.new), "--start", str(args.start)]
+            cmd += ["--prefill-chunk", str(args.prefill_chunk)] if args.prefill_chunk else []
             res = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
             if res.returncode:
                 raise ValueError(f"{spec} at {tokens} tokens failed:\n{res.stderr[-2000:]}")
