@@ -6,8 +6,8 @@ Each (cache, prompt length) runs in a fresh process: load the model, generate on
 freed heap to the system (`malloc_trim`), reset the kernel's high-water mark
 (`/proc/self/clear_refs`, Linux), generate `--new` tokens after a real-text prompt, and report `VmHWM - VmRSS before`
 (bytes the run added at its peak: the cache, the prefill's activations and anything dequantized on the way).
-Caches of this library prefill in chunks of their `prefill_chunk_size` (2048); `dynamic` prefills in one forward, as
-transformers does by default, `dynamic-chunked` is DynamicCache with the same 2048-token chunked prefill.
+Caches of this library prefill in chunks of their `prefill_chunk_size` (512); `dynamic` prefills in one forward, as
+transformers does by default, `dynamic-chunked` is DynamicCache with the same chunked prefill.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int, c
     import torch
 
     import hf_kvcache  # noqa: F401
-    from hf_kvcache.caches.base import memory_stats
+    from hf_kvcache.caches.base import CompressedCache, memory_stats
     from hf_kvcache.eval import load_model, load_text, load_tokens
     from hf_kvcache.eval.bench import CacheSpec
 
@@ -59,7 +59,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, start: int, c
     with torch.no_grad():
         kwargs = {} if cache is None else {"past_key_values": cache}
         if spec == "dynamic-chunked":  # DynamicCache with the same chunked prefill our caches use
-            kwargs["prefill_chunk_size"] = chunk or 2048
+            kwargs["prefill_chunk_size"] = chunk or CompressedCache.prefill_chunk_size
         out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
     seconds = time.perf_counter() - t0
     peak = _status_kib("VmHWM")
@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=8, help="tokens generated after the prompt")
     p.add_argument("--start", type=int, default=5000, help="first prompt token in Moby Dick")
     p.add_argument("--prefill-chunk", type=int, default=None, help="prefill chunk of our caches and dynamic-chunked "
-                   "(default: the caches' prefill_chunk_size, 2048)")
+                   "(default: the caches' prefill_chunk_size, 512)")
     p.add_argument("--json", default=None)
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)  # internal: measure in this process
     args = p.parse_args(argv)

@@ -51,4 +51,4 @@ def test_generation_config_wins_and_none_turns_it_off(tiny):
     cache = UniformQuantCache(config=tiny.config, dtype="int8")
     cache.prefill_chunk_size = None
     assert _forward_lengths(tiny, past_key_values=cache) == [40, 1]
-    assert UniformQuantCache.prefill_chunk_size == 2048  # the default: prompts up to 2048 tokens in one forward
+    assert UniformQuantCache.prefill_chunk_size == 512  # the default: prompts up to 512 tokens in one forward

@@ -329,7 +329,7 @@ class CompressedCache(Cache):
     layer_class: type[CompressedLayer] = CompressedLayer
     # generate prefills prompts longer than this in chunks of it, straight into the compressed storage (None: in one
     # forward, as transformers does by default); set it on an instance to change it for that cache
-    prefill_chunk_size: int | None = 2048
+    prefill_chunk_size: int | None = 512
 
     def __init__(self, config: PreTrainedConfig | None = None, **options: Any) -> None:
         self.options = self.options_class.from_dict(options)
