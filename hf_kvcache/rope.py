@@ -32,31 +32,35 @@ class KeyRotation:
         self.scaling = float(attention_scaling)
 
     @classmethod
-    def from_config(cls, config, head_dim: int | None = None) -> "KeyRotation":
+    def from_config(cls, config, head_dim: int | None = None, layer_type: str | None = None,
+                    user: str = "key_space='derotated'", instead: str = "key_space='rotated'") -> "KeyRotation":
+        """The RoPE of `config` (of `layer_type` when its `rope_parameters` are keyed by layer type, as Gemma-3's
+        are); errors name the option that asked for it (`user`) and what to use instead (`instead`)."""
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
         params = dict(getattr(text, "rope_parameters", None) or {})
+        keyed = layer_type is not None and isinstance(params.get(layer_type), dict)
+        if keyed:
+            params = dict(params[layer_type])
         rope_type = params.get("rope_type", "default")
         if rope_type not in SUPPORTED_ROPE:
-            raise ValueError(
-                f"key_space='derotated' supports rope types {list(SUPPORTED_ROPE)}, not {rope_type!r}; "
-                "use key_space='rotated'"
-            )
+            raise ValueError(f"{user} supports rope types {list(SUPPORTED_ROPE)}, not {rope_type!r}; use {instead}")
         head_dim = head_dim or getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
         if rope_type == "default":
             base = params.get("rope_theta", getattr(text, "rope_theta", None))
             if base is None:
-                raise ValueError("key_space='derotated' needs rope_theta in the model config")
+                raise ValueError(f"{user} needs rope_theta in the model config")
             dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
             inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             scaling = 1.0
         else:
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text)
+            kwargs = {"layer_type": layer_type} if keyed else {}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](text, **kwargs)
         if 2 * inv_freq.numel() != head_dim:
             raise ValueError(
-                f"key_space='derotated' needs RoPE over the whole head (head_dim={head_dim}, rotary dims="
-                f"{2 * inv_freq.numel()}); use key_space='rotated'"
+                f"{user} needs RoPE over the whole head (head_dim={head_dim}, rotary dims="
+                f"{2 * inv_freq.numel()}); use {instead}"
             )
         return cls(inv_freq, scaling)
 

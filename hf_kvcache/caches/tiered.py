@@ -33,7 +33,8 @@ import torch
 
 from ..options import CacheOptions, check_bool, check_choice, check_int, check_number, check_positive_int
 from ..quant.kivi import AXES, dequantize_kivi, quantize_kivi
-from ..quant.kvquant import NUQQuantized, apply_rope, dequantize_nuq, fit_codebook, quantize_nuq, rope_cos_sin, undo_rope
+from ..quant.kvquant import NUQQuantized, dequantize_nuq, fit_codebook, quantize_nuq
+from ..rope import KeyRotation
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
 from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
@@ -82,7 +83,7 @@ class TieredQuantOptions(CacheOptions):
     - value_group_size: channels per value group in both tiers (None: the tier's group size, at most head_dim)
     - sink_length: first tokens of the sequence kept in full precision (attention sinks)
     - archive_quantizer: "kivi" (uniform min/max codes) or "kvquant": non-uniform levels fitted per KV head and
-      channel on the first positions archived, keys quantized before RoPE (undone with the model's rope_theta, put
+      channel on the first positions archived, keys quantized before RoPE (undone with the model's RoPE, put
       back at read), the `archive_outliers` fraction of each token's most extreme entries kept exactly in fp16
     - archive_outliers: that fraction (kvquant only)
     - key_axis: "channel" (KIVI) or "token" (ablation: keys quantized per token like values)
@@ -225,10 +226,10 @@ class TieredQuantLayer(CompressedLayer):
         self.is_sliding = sliding_window is not None
         self.dropped = 0
         self.tiers = LayerTiers()
-        # a KVQuant archive: the (keys, values) codebooks fitted on the first positions archived, and the RoPE base
-        # its keys are un-rotated with (set by the cache from the model config)
+        # a KVQuant archive: the (keys, values) codebooks fitted on the first positions archived, and the model's
+        # RoPE its keys are un-rotated with (set by the cache from the model config)
         self.codebooks: tuple | None = None
-        self.rope_theta: float | None = None
+        self.rope: KeyRotation | None = None
         self.quality = QualityTracker()  # error of every block quantized in this sequence (`quality_metrics`)
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
@@ -273,7 +274,7 @@ class TieredQuantLayer(CompressedLayer):
         else:
             self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
-        if self._nuq_archive() and self.rope_theta is None:
+        if self._nuq_archive() and self.rope is None:
             raise ValueError("archive_quantizer='kvquant' undoes RoPE with the model's rope_theta: build the cache "
                              "with the model config, TieredQuantCache(config=model.config, ...)")
         if self.recipe is None and p.rotation != "auto":
@@ -440,7 +441,7 @@ class TieredQuantLayer(CompressedLayer):
         if tier == "arch" and self._nuq_archive():
             if self.codebooks is None:
                 self._fit_codebooks(keys, values, start)
-            keys, values = self._rope(keys.float(), start, undo=True), values.float()
+            keys, values = self.rope.derotate(keys, start), values.float()
             q = QuantTier(quantize_nuq(keys, self.codebooks[0]), quantize_nuq(values, self.codebooks[1]))
         else:
             if self.rot_k is not None and not rotated:
@@ -463,7 +464,7 @@ class TieredQuantLayer(CompressedLayer):
         n = keys.shape[2] // g * g
         bits = self.specs["arch"].bits
         self.codebooks = (
-            fit_codebook(self._rope(keys[:, :, :n].float(), start, undo=True), bits, "channel", g, p.archive_outliers),
+            fit_codebook(self.rope.derotate(keys[:, :, :n], start), bits, "channel", g, p.archive_outliers),
             fit_codebook(values[:, :, :n].float(), bits, "token", p.value_group_size, p.archive_outliers),
         )
 
@@ -471,21 +472,13 @@ class TieredQuantLayer(CompressedLayer):
         """Float32 keys and values of (a slice of) a quantized tier that starts at position `start` (KIVI tiers still
         rotated when `rotated`)."""
         if isinstance(q.keys, NUQQuantized):
-            return self._rope(dequantize_nuq(q.keys), start), dequantize_nuq(q.values)
+            return self.rope.rotate(dequantize_nuq(q.keys), start), dequantize_nuq(q.values)
         keys, values = dequantize_kivi(q.keys), dequantize_kivi(q.values)
         if not rotated:  # un-rotated exactly as `materialize_into` does it, so a reopened group reads back what attention saw
             dt = self.rot_dtype
             keys = keys if self.rot_k is None else (keys.to(dt) @ self.unrot_k).float()
             values = values if self.rot_v is None else (values.to(dt) @ self.unrot_v).float()
         return keys, values
-
-    def _rope(self, keys: torch.Tensor, start: int, undo: bool = False) -> torch.Tensor:
-        """RoPE of positions `start..` applied to (or, `undo`, taken off) `keys` `[batch, heads, tokens, dim]`
-        (float32): the default rotary frequencies of `rope_theta`. Undo and apply are exact inverses, so a scaled
-        RoPE the model uses only makes the archived keys less exactly pre-RoPE, never wrong."""
-        pos = torch.arange(start, start + keys.shape[2], device=keys.device)
-        cos, sin = rope_cos_sin(pos, keys.shape[-1], self.rope_theta)
-        return (undo_rope if undo else apply_rope)(keys, cos, sin)
 
     def _tier_starts(self) -> dict[str, int]:
         a = self.dropped
@@ -687,21 +680,6 @@ class KIVILayer(TieredQuantLayer):
         return self.options.as_tiered()
 
 
-def rope_thetas(config: Any) -> list[float | None]:
-    """Per model layer, the RoPE base of its layer type (`config.rope_parameters`, flat or keyed by layer type; older
-    configs: `rope_theta`), None where the config names none."""
-    text = config.get_text_config(decoder=True)
-    n = text.num_hidden_layers
-    types = getattr(text, "layer_types", None) or ["full_attention"] * n
-    params = getattr(text, "rope_parameters", None) or {}
-    out = []
-    for t in types[:n]:
-        p = params.get(t, params) if isinstance(params.get(t), dict) else params
-        theta = p.get("rope_theta", getattr(text, "rope_theta", None))
-        out.append(None if theta is None else float(theta))
-    return out
-
-
 class TieredQuantCache(AdaptiveThresholds, CompressedCache):
     """Hot tail + 4-bit warm + 2-bit archive (KIVI). `TieredQuantCache(config=model.config, tail_length=64)`.
 
@@ -715,10 +693,14 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
 
     def __init__(self, config=None, **options: Any) -> None:
         super().__init__(config, **options)
-        if config is not None:
-            for layer, theta in zip(self.layers, rope_thetas(config)):
+        if config is not None and getattr(self.options, "archive_quantizer", "kivi") == "kvquant":
+            text = config.get_text_config(decoder=True)
+            types = getattr(text, "layer_types", None) or [None] * len(self.layers)
+            for layer, layer_type in zip(self.layers, types):
                 if isinstance(layer, TieredQuantLayer):
-                    layer.rope_theta = theta
+                    layer.rope = KeyRotation.from_config(config, layer_type=layer_type,
+                                                         user="archive_quantizer='kvquant'",
+                                                         instead="archive_quantizer='kivi'")
         recipes = getattr(self.options, "recipes", None)
         if recipes is not None:
             if len(recipes) != len(self.layers):
