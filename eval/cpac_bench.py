@@ -42,7 +42,6 @@ from hf_kvcache.registry import build_cache, cache_names
 from .assets import load_model, load_text, load_tokens
 from .perplexity import streaming_perplexity
 
-PAPER = {}  # the paper's defaults are CPACOptions' defaults
 PRESSURES = (0.3, 0.6, 0.9)
 BUDGETS = (3.0, 0.9, 0.6)  # memory_budget fractions whose measured pressure lands near 0.3 / 0.6-0.8 / 0.9
 

@@ -12,8 +12,6 @@ import threading
 
 import torch
 
-from hf_kvcache.quant.packing import unpack_bits
-
 from .segments import QuantSegment
 
 NEG_INF = float("-inf")
@@ -47,81 +45,17 @@ def scratch_bytes() -> int:
     return sum(b.numel() for b in _SCRATCH.buffers.values())
 
 
-def release_scratch() -> None:
-    """Free this thread's scratch buffers (they are allocated again when needed)."""
-    _SCRATCH.buffers.clear()
-
-
-_LANE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # codes per byte -> an int with one byte per code
-_FACTORS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
-
-
-def _signed(x: int, width_bits: int) -> int:
-    return x - (1 << width_bits) if x >= 1 << (width_bits - 1) else x
-
-
-def lane_factors(bits: int, n: int, device: torch.device) -> torch.Tensor:
-    """[n] float32: what `unpack_shifted` leaves to multiply by, 2**-(bits * (channel % codes per byte))."""
-    key = (bits, n, device)
-    f = _FACTORS.get(key)
-    if f is None:
-        per = 8 // bits
-        f = _FACTORS[key] = torch.tensor([2.0 ** -(bits * (d % per)) for d in range(n)], device=device)
-    return f
-
-
-def unpack_shifted(codes: torch.Tensor, bits: int, n: int, name: str, into: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, bool]:
-    """Codes `[B, H, T, packed]` as float32 `[B, H, T, n]` in a scratch buffer (or in `into`, a float32 view of that
-    shape, when the packed codes hold exactly n channels), without a table lookup: every byte
-    is copied into the lanes of a wider int by one multiply, one mask keeps each lane's own code, and the lanes, read
-    as bytes, are converted to float. Channel d then holds `code * 2**(bits * (d % per))`: the second value returned
-    is True when the caller must still apply `lane_factors` (fold them into a scale: no extra pass)."""
-    b, h, t, packed = codes.shape
-    if 8 % bits:
-        return unpack_bits(codes, bits, n).float(), False
-    per = 8 // bits
-    if into is not None and packed * per == n:
-        vals = into
-    else:
-        vals = _SCRATCH.get(name, b * h * t * packed * per, torch.float32, codes.device).view(b, h, t, packed * per)
-    if per == 1:
-        vals.copy_(codes)
-    else:
-        width = 8 * per
-        lanes = _SCRATCH.get(name + "_lanes", b * h * t * packed, _LANE_INT[per], codes.device).view(b, h, t, packed)
-        lanes.copy_(codes)
-        lanes.mul_(_signed(sum(1 << (8 * i) for i in range(per)), width))
-        lanes.bitwise_and_(_signed(sum(((1 << bits) - 1) << (bits * i) << (8 * i) for i in range(per)), width))
-        vals.view(b, h, t, packed, per).copy_(lanes.view(torch.uint8).view(b, h, t, packed, per))
-    return (vals if packed * per == n else vals[..., :n]), per > 1
-
-
 def dequantize_block(seg: QuantSegment, start: int, stop: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Float32 keys and values of tokens [start, stop) (in the stored basis): written into `out` (two
     `[B, H, stop - start, D]` views, e.g. rows of a bigger buffer) or into scratch buffers valid until the next call.
     `start` is a multiple of the segment's key group."""
-    b, h, _, d = *seg.k_codes.shape[:3], seg.head_dim
-    t, g = stop - start, seg.k_group
-    # unpacked straight into `out` when given (then scaled in place), else into scratch
-    k, shifted = unpack_shifted(seg.k_codes[:, :, start:stop], seg.k_bits, d, "k", None if out is None else out[0])
-    viewable = k.is_contiguous() or (out is not None and k is out[0])
-    kg = k.view(b, h, t // g, g, d) if viewable else k.reshape(b, h, t // g, g, d)
-    k_scale = seg.k_scale[:, :, start // g : stop // g].float()
-    if shifted:  # per-channel scales: the lane factors fold into them
-        k_scale.mul_(lane_factors(seg.k_bits, d, k.device))
-    k_out = kg if out is None else out[0].view(b, h, t // g, g, d)
-    torch.addcmul(seg.k_zero[:, :, start // g : stop // g].unsqueeze(3).float(), kg, k_scale.unsqueeze(3), out=k_out)
-    v, shifted = unpack_shifted(seg.v_codes[:, :, start:stop], seg.v_bits, d, "v", None if out is None else out[1])
-    if shifted:
-        v.mul_(lane_factors(seg.v_bits, d, v.device))
-    viewable = v.is_contiguous() or (out is not None and v is out[1])
-    vg = v.view(b, h, t, d // seg.v_group, seg.v_group) if viewable else v.reshape(b, h, t, -1, seg.v_group)
-    v_out = vg if out is None else out[1].view(b, h, t, d // seg.v_group, seg.v_group)
-    torch.mul(vg, seg.v_scale[:, :, start:stop].unsqueeze(4).float(), out=v_out)
-    v_out.add_(seg.v_zero[:, :, start:stop].unsqueeze(4).float())
-    return k_out.view(b, h, t, d), v_out.view(b, h, t, d)
+    if out is None:
+        b, h, d = *seg.k_codes.shape[:2], seg.head_dim
+        n = b * h * (stop - start) * d
+        out = tuple(_SCRATCH.get(name, n, torch.float32, seg.k_codes.device).view(b, h, stop - start, d)
+                    for name in ("k", "v"))
+    return seg.slice(start, stop).dequantize(out=out)
 
 
 def _steps(seg: QuantSegment, block: int):

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_kvcache.quant.kivi import unpack_float
+from hf_kvcache.quant.kivi import KIVIQuantized, dequantize_kivi
 
 
 @dataclass
@@ -55,19 +55,28 @@ class QuantSegment:
             self.v_group, self.head_dim, self.k_rotation, self.v_rotation,
         )
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, unrotate: bool = False):
-        """Expansion to `[B, H, T, D]` keys and values (in the stored, rotated basis unless `unrotate`)."""
-        b, h, t, d = *self.k_codes.shape[:3], self.head_dim
-        kc = unpack_float(self.k_codes, self.k_bits, d).view(b, h, t // self.k_group, self.k_group, d)
-        k = torch.addcmul(self.k_zero.float().unsqueeze(3), kc, self.k_scale.float().unsqueeze(3))
-        vc = unpack_float(self.v_codes, self.v_bits, d).view(b, h, t, d // self.v_group, self.v_group)
-        v = torch.addcmul(self.v_zero.float().unsqueeze(4), vc, self.v_scale.float().unsqueeze(4))
-        k, v = k.view(b, h, t, d), v.view(b, h, t, d)
+    def key_codes(self) -> KIVIQuantized:
+        """The keys as the KIVI format they are stored in (views, no copy)."""
+        return KIVIQuantized(self.k_codes, self.k_scale, self.k_zero, self.k_bits, self.k_group, "channel", self.head_dim)
+
+    def value_codes(self) -> KIVIQuantized:
+        """The values as the KIVI format they are stored in (views, no copy)."""
+        return KIVIQuantized(self.v_codes, self.v_scale, self.v_zero, self.v_bits, self.v_group, "token", self.head_dim)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, unrotate: bool = False,
+                   out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expansion to `[B, H, T, D]` keys and values (in the stored, rotated basis unless `unrotate`), written into
+        `out` (two float32 `[B, H, T, D]` tensors with a contiguous last dim, e.g. token slices of bigger buffers)
+        when given."""
+        if out is not None and unrotate:
+            raise ValueError("dequantize writes into `out` only in the stored basis: pass unrotate=False")
+        k = dequantize_kivi(self.key_codes(), out=None if out is None else out[0])
+        v = dequantize_kivi(self.value_codes(), out=None if out is None else out[1])
         if unrotate and self.k_rotation is not None:
             k = k @ self.k_rotation.t().float()
         if unrotate and self.v_rotation is not None:
             v = v @ self.v_rotation.t().float()
-        return k.to(dtype), v.to(dtype)
+        return (k, v) if out is not None else (k.to(dtype), v.to(dtype))
 
     def nbytes(self) -> int:
         return sum(t.nbytes for t in (self.k_codes, self.k_scale, self.k_zero, self.v_codes, self.v_scale, self.v_zero))
@@ -97,11 +106,6 @@ def split_overlays(segments: list[Segment]) -> tuple[list[Segment], list[FullSeg
             raise ValueError(f"an overlay of positions [{o.overlay_at}, {o.overlay_at + o.tokens}) lies outside the "
                              f"{total} positions the segments hold")
     return ordered, overlays
-
-
-def positions_held(segments: list[Segment]) -> int:
-    """Key positions the segments hold (overlays add none)."""
-    return sum(s.tokens for s in split_overlays(segments)[0])
 
 
 def dense_segments(segments: list[Segment], dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:

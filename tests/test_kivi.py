@@ -6,10 +6,9 @@ from hf_kvcache.quant.kivi import (
     KIVIQuantized,
     dequantize_kivi,
     quantize_kivi,
-    slice_tokens,
-    unpack_float,
 )
-from hf_kvcache.quant.rotation import fast_hadamard_transform, hadamard_matrix, rotate, rotation_matrix, unrotate
+from hf_kvcache.quant.packing import lane_factors, unpack_lanes
+from hf_kvcache.quant.rotation import hadamard_matrix, rotate, rotation_matrix, unrotate
 
 
 def reference_kivi(x: torch.Tensor, bits: int, group: int, axis: str):
@@ -73,11 +72,22 @@ def test_three_bit_packs_eight_codes_in_three_bytes():
     assert ((dequantize_kivi(q) - x).abs() <= step / 2 + 1e-5).all()
 
 
+@pytest.mark.parametrize("n", [64, 61])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 8])
-def test_lookup_table_unpack_equals_shift_unpack(bits):
-    codes = torch.randint(0, 2**bits, (3, 5, 64), dtype=torch.uint8)
+def test_lane_unpack_equals_bit_unpack(bits, n):
+    """The float unpacker (lanes of a wider int, factors left to the caller) gives the integer codes exactly, also
+    into a token slice of a bigger buffer and for a dim that leaves the last byte part-filled."""
+    codes = torch.randint(0, 2**bits, (3, 5, n), dtype=torch.uint8)
     packed = pack_bits(codes, bits)
-    assert torch.equal(unpack_float(packed, bits, 64), codes.float())
+    vals, shifted = unpack_lanes(packed, bits, n)
+    factors = lane_factors(bits, n, vals.device) if shifted else 1.0
+    assert torch.equal(vals * factors, codes.float()) and torch.equal(unpack_bits(packed, bits, n), codes)
+    buf = torch.full((3, 9, n), -1.0)
+    out, _ = unpack_lanes(packed, bits, n, out=buf[:, 2:7])
+    assert out.data_ptr() == buf[:, 2:7].data_ptr() and torch.equal(out * factors, codes.float())
+    assert (buf[:, :2] == -1).all() and (buf[:, 7:] == -1).all()
+    with pytest.raises(ValueError, match="float32 tensor of shape"):
+        unpack_lanes(packed, bits, n, out=torch.empty(3, 5, n, dtype=torch.float16))
 
 
 def test_error_within_half_step_and_range_kept():
@@ -135,11 +145,11 @@ def test_dequantize_into_a_slice_of_a_bigger_buffer():
 def test_slice_tokens_keeps_whole_groups():
     x = torch.randn(1, 1, 96, 64)
     q = quantize_kivi(x, 2, 32, "channel")
-    tail = slice_tokens(q, 32)
+    tail = q.slice(32)
     assert isinstance(tail, KIVIQuantized) and tail.tokens == 64 and tail.scale.shape[-2] == 2
     assert torch.equal(dequantize_kivi(tail), dequantize_kivi(q)[:, :, 32:])
     with pytest.raises(ValueError, match="per-channel groups are 32 tokens"):
-        slice_tokens(q, 16)
+        q.slice(16)
 
 
 @pytest.mark.parametrize(
@@ -165,7 +175,6 @@ def test_rotation_is_orthogonal_and_inverts():
     assert torch.allclose(unrotate(rotate(x, r), r), x, atol=1e-5)
     h = hadamard_matrix(8)
     assert torch.equal(h @ h.t(), 8 * torch.eye(8))
-    assert torch.allclose(fast_hadamard_transform(x), x @ hadamard_matrix(64) / 8, atol=1e-5)
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_matrix(48)
 

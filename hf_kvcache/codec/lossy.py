@@ -94,15 +94,6 @@ class LossyOptions:
         return self.bins[band]
 
 
-def _chunked(x: torch.Tensor, chunk: int) -> torch.Tensor:
-    """`[b, h, t, d]` -> `[b, h, chunks, chunk, d]`, padding the last chunk by repeating the last token."""
-    b, h, t, d = x.shape
-    n = -(-t // chunk)
-    if n * chunk != t:
-        x = torch.cat([x, x[:, :, -1:].expand(b, h, n * chunk - t, d)], dim=2)
-    return x.view(b, h, n, chunk, d)
-
-
 def _groups(channels: int, size: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, channels)) for a in range(0, channels, size)]
 

@@ -34,10 +34,6 @@ class SlotView:
     # queries (oldest first, summed over the query heads of the group); 0 where the query could not see the slot
     # (a newer token), and rows of 0 for queries not seen yet or padding queries
 
-    def seen_by(self) -> torch.Tensor:
-        """`[batch, kv_heads, slots]` float: how many queries (itself included) could attend each slot."""
-        return (self.seen - self.positions).clamp(min=1).float()
-
     def rank(self) -> torch.Tensor:
         """0 for the oldest real token of each row/head, 1 for the next... (meaningless on padding slots)."""
         return self.valid.cumsum(-1) - 1

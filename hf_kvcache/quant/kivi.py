@@ -16,8 +16,9 @@ appending tokens never repacks anything, only the per-channel scales are per gro
 Clipping (optional) shrinks each group's [min, max] around its midpoint by `clip_ratio`; `clip_search=True` tries
 the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error.
 
-Dequantization unpacks with a 256-entry lookup table (byte -> the codes it holds, as floats) for widths that divide 8,
-then applies scale and zero in one fused `addcmul`, optionally straight into a slice of a preallocated output.
+Dequantization unpacks with `quant.packing.unpack_lanes` (float codes, lane factors folded into the per-channel key
+scales) and applies scale and zero in place, optionally straight into a slice of a preallocated output: the one
+dequantizer of this format, used by the cache, the fused attention's torch path and the Triton kernels' references.
 """
 
 from __future__ import annotations
@@ -26,15 +27,13 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack_bits, unpack_bits
+from .packing import lane_factors, pack_bits, unpack_lanes
 from .rows import TokenRows
 from .uniform import _scale_fp16
 
 AXES = ("channel", "token")
 CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6)
 _SCALE_DTYPE = torch.float16
-_LUTS: dict[tuple[int, torch.device, torch.dtype], torch.Tensor] = {}
-_WIDE = {2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.complex128}  # bytes per table row -> that dtype
 
 
 @dataclass
@@ -70,8 +69,9 @@ def check_kivi_args(bits: int, group_size: int, axis: str) -> None:
         raise ValueError(f"axis={axis!r} is not valid; choose one of {list(AXES)}")
 
 
-def _group_view(x: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tensor, int]:
-    """`x` reshaped so one dim holds the elements of a group; returns (view, that dim)."""
+def _group_view(x: torch.Tensor, group_size: int, axis: str, copy: bool = True) -> tuple[torch.Tensor, int]:
+    """`x` reshaped so one dim holds the elements of a group; returns (view, that dim). `copy=False`: a view or a
+    RuntimeError, never a copy."""
     tokens, dim = x.shape[-2], x.shape[-1]
     lead = x.shape[:-2]
     if axis == "channel":
@@ -79,10 +79,12 @@ def _group_view(x: torch.Tensor, group_size: int, axis: str) -> tuple[torch.Tens
             raise ValueError(
                 f"per-channel quantization needs whole groups of tokens: got {tokens} tokens, group_size={group_size}"
             )
-        return x.reshape(*lead, tokens // group_size, group_size, dim), -2
-    if dim % group_size:
-        raise ValueError(f"group_size={group_size} must divide the last dim {dim}; choose a divisor of {dim}")
-    return x.reshape(*lead, tokens, dim // group_size, group_size), -1
+        shape, red = (*lead, tokens // group_size, group_size, dim), -2
+    else:
+        if dim % group_size:
+            raise ValueError(f"group_size={group_size} must divide the last dim {dim}; choose a divisor of {dim}")
+        shape, red = (*lead, tokens, dim // group_size, group_size), -1
+    return (x.reshape(shape) if copy else x.view(shape)), red
 
 
 def _range(g: torch.Tensor, red: int, ratio: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,63 +159,36 @@ def _triton_serves(x: torch.Tensor, bits: int, group_size: int, clip_ratio: floa
     return x.dim() == 4 and bits in (2, 3, 4, 8) and pow2 and clip_ratio == 1.0 and not clip_search
 
 
-def _lut(bits: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[256, 8 // bits]: the codes held by each byte value, lowest bits first (the `pack_bits` order)."""
-    key = (bits, device, dtype)
-    lut = _LUTS.get(key)
-    if lut is None:
-        per = 8 // bits
-        byte = torch.arange(256, dtype=torch.int64)
-        shifts = torch.arange(0, 8, bits, dtype=torch.int64)
-        lut = ((byte.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)).to(dtype).reshape(256, per)
-        lut = lut.to(device).contiguous()
-        _LUTS[key] = lut
-    return lut
-
-
-def unpack_float(codes: torch.Tensor, bits: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The first `n` codes along the last dim of packed `codes`, as floats of `dtype` (float32, or a 16-bit float,
-    which holds every code exactly); a table lookup when 8 % bits == 0."""
-    if 8 % bits:
-        return unpack_bits(codes, bits, n).to(dtype)
-    lut = _lut(bits, codes.device, dtype)
-    idx = codes.reshape(-1).to(torch.int32)
-    wide = _WIDE.get(lut.shape[1] * lut.element_size())
-    if wide is not None:
-        # one table row (the codes a byte holds) viewed as a single 2..16-byte element: a 1-D gather of wide
-        # elements is several times faster than gathering rows of a 2-D table
-        vals = lut.view(wide).reshape(256).index_select(0, idx).view(dtype)
-    else:
-        vals = lut.index_select(0, idx)
-    vals = vals.view(*codes.shape[:-1], codes.shape[-1] * (8 // bits))
-    return vals if vals.shape[-1] == n else vals[..., :n]
-
-
 def dequantize_kivi(
     q: KIVIQuantized, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The tensor `q` was made from (up to quantization error), `[..., tokens, dim]` in `dtype`.
 
     With `out` (any tensor of that shape whose last dim is contiguous, e.g. a token slice of a bigger buffer) the
-    result is written there and `out` is returned.
+    result is written there and `out` is returned; a float32 `out` is unpacked into and scaled in place, with no
+    temporary of its size.
     """
-    half = out is not None and out.dtype in (torch.float16, torch.bfloat16)
-    vals = unpack_float(q.codes, q.bits, q.dim, out.dtype if half else torch.float32)  # codes are exact either way
-    g, red = _group_view(vals, q.group_size, q.axis)
-    scale, zero = q.scale.float().unsqueeze(red), q.zero.float().unsqueeze(red)
-    if out is None:
-        return torch.addcmul(zero, g, scale).reshape(vals.shape).to(dtype)
-    if out.shape != vals.shape:
-        raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(vals.shape)}")
+    shape = (*q.codes.shape[:-1], q.dim)
+    if out is not None and tuple(out.shape) != shape:
+        raise ValueError(f"out has shape {tuple(out.shape)}, expected {shape}")
+    direct = out is not None and out.dtype == torch.float32 and out.stride(-1) == 1
+    vals, shifted = unpack_lanes(q.codes, q.bits, q.dim, out if direct else None)
     try:
-        target = out.view(g.shape)
-    except RuntimeError:  # a layout that cannot be split into groups without a copy
-        out.copy_(torch.addcmul(zero, g, scale).reshape(vals.shape))
+        g, red = _group_view(vals, q.group_size, q.axis, copy=False)
+    except RuntimeError:  # a layout that cannot be split into groups without a copy: scale a contiguous copy
+        vals = vals.contiguous()
+        g, red = _group_view(vals, q.group_size, q.axis)
+    scale, zero = q.scale.float().unsqueeze(red), q.zero.float().unsqueeze(red)
+    if shifted and q.axis == "channel":  # per-channel scales: the lane factors fold into them
+        scale = scale * lane_factors(q.bits, q.dim, vals.device)
+    elif shifted:
+        g.mul_(lane_factors(q.bits, q.dim, vals.device).view(-1, q.group_size))
+    if q.axis == "channel":
+        torch.addcmul(zero, g, scale, out=g)  # one pass; for per-token scales (broadcast over channels) mul + add is faster
+    else:
+        g.mul_(scale).add_(zero)
+    if direct:
         return out
-    torch.addcmul(zero, g, scale, out=target)
-    return out
-
-
-def slice_tokens(q: KIVIQuantized, start: int, stop: int | None = None) -> KIVIQuantized:
-    """Tokens `start:stop` of `q` (for `axis="channel"` both must fall on group boundaries)."""
-    return q.slice(start, stop)
+    if out is not None:
+        return out.copy_(vals)
+    return vals if dtype == torch.float32 else vals.to(dtype)

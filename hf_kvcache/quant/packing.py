@@ -2,6 +2,12 @@
 
 `bits` in 1..8. For widths that divide 8 (1, 2, 4, 8) the codes of one byte are its bit fields, lowest code in the
 lowest bits. Other widths (3, 5, 6, 7) pack 8 codes into `bits` bytes, little-endian.
+
+Two unpackers: `unpack_bits` returns the integer codes; `unpack_lanes` returns them as float32 for dequantization
+(every quantized format's dequantizer goes through it: the cache, the torch fused path and the Triton references).
+For widths that divide 8 it avoids a table lookup: each byte is copied into the lanes of a wider int by one
+multiply, one mask keeps each lane's own code, and the lanes, read as bytes, are converted to float. Channel `d`
+then holds `code * 2**(bits * (d % per_byte))`, which the caller folds into its scales (`lane_factors`).
 """
 
 from __future__ import annotations
@@ -9,6 +15,8 @@ from __future__ import annotations
 import torch
 
 _VALID_BITS = tuple(range(1, 9))
+_LANE_INT = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # codes per byte -> an int with one byte per code
+_FACTORS: dict[tuple[int, int, torch.device], torch.Tensor] = {}
 
 
 def _check_bits(bits: int) -> None:
@@ -64,3 +72,47 @@ def unpack_bits(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     shifts = torch.arange(0, 8 * bits, bits, dtype=torch.int64, device=packed.device)
     codes = ((word.unsqueeze(-1) >> shifts) & mask).to(torch.uint8)
     return codes.reshape(*packed.shape[:-1], -1)[..., :n]
+
+
+def _signed(x: int, width_bits: int) -> int:
+    return x - (1 << width_bits) if x >= 1 << (width_bits - 1) else x
+
+
+def lane_factors(bits: int, n: int, device: torch.device) -> torch.Tensor:
+    """`[n]` float32: what `unpack_lanes` leaves to multiply by, `2**-(bits * (channel % codes per byte))` (exact
+    powers of two, so folding them into a scale changes no result)."""
+    key = (bits, n, device)
+    f = _FACTORS.get(key)
+    if f is None:
+        per = 8 // bits
+        f = _FACTORS[key] = torch.tensor([2.0 ** -(bits * (d % per)) for d in range(n)], device=device)
+    return f
+
+
+def unpack_lanes(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, bool]:
+    """The first `n` codes along the last dim of `packed` `[..., packed_length(n)]` as float32 `[..., n]`, written
+    into `out` when given (float32, that shape, last dim contiguous). The flag is True when channel `d` holds
+    `code * 2**(bits * (d % (8 // bits)))`: the caller must still multiply by `lane_factors` (fold them into a
+    scale: no extra pass)."""
+    _check_bits(bits)
+    lead, nbytes = packed.shape[:-1], packed.shape[-1]
+    if out is not None and (out.shape != (*lead, n) or out.dtype != torch.float32 or out.stride(-1) != 1):
+        raise ValueError(f"out must be a float32 tensor of shape {(*lead, n)} with a contiguous last dim")
+    if 8 % bits:
+        codes = unpack_bits(packed, bits, n)
+        return (codes.float() if out is None else out.copy_(codes)), False
+    per = 8 // bits
+    full = nbytes * per
+    vals = out if out is not None and full == n else torch.empty(*lead, full, dtype=torch.float32, device=packed.device)
+    if per == 1:
+        vals.copy_(packed)
+    else:
+        width = 8 * per
+        lanes = packed.to(_LANE_INT[per])
+        lanes.mul_(_signed(sum(1 << (8 * i) for i in range(per)), width))
+        lanes.bitwise_and_(_signed(sum(((1 << bits) - 1) << (bits * i) << (8 * i) for i in range(per)), width))
+        vals.view(*lead, nbytes, per).copy_(lanes.view(torch.uint8).view(*lead, nbytes, per))
+    if full != n:
+        vals = vals[..., :n] if out is None else out.copy_(vals[..., :n])
+    return vals, per > 1

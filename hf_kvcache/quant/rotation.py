@@ -68,19 +68,3 @@ def unrotate(x: torch.Tensor, r: torch.Tensor, out: torch.Tensor | None = None) 
         return torch.matmul(x, rt)
     out.copy_(torch.matmul(x, rt))
     return out
-
-
-def fast_hadamard_transform(x: torch.Tensor) -> torch.Tensor:
-    """`x @ hadamard_matrix(n) / sqrt(n)` along the last dim with log2(n) butterfly passes (reference, no signs)."""
-    n = x.shape[-1]
-    if not is_power_of_two(n):
-        raise ValueError(f"a Hadamard rotation needs a power-of-two size, got {n}")
-    lead = x.shape[:-1]
-    y = x.reshape(-1, n)
-    h = 1
-    while h < n:
-        y = y.view(-1, n // (2 * h), 2, h)
-        a, b = y[:, :, 0], y[:, :, 1]
-        y = torch.stack([a + b, a - b], dim=2)
-        h *= 2
-    return (y.reshape(*lead, n) / n**0.5).to(x.dtype)
