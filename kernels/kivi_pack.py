@@ -123,29 +123,29 @@ def _pow2(n: int, what: str) -> None:
         raise ValueError(f"the Triton kernels need {what} to be a power of two, got {n}")
 
 
-def kivi_keys_triton(k: torch.Tensor, bits: int, group: int):
-    b, h, t, d = k.shape
-    _check(k, bits, group, t, "keys")
+def _outputs(x: torch.Tensor, bits: int, group: int, axis: str):
+    """Checked contiguous input and empty (codes, scale, zero) for `x` `[B, H, T, D]` quantized along `axis`."""
+    _check(x, bits, group, x.shape[-2 if axis == "channel" else -1], "keys" if axis == "channel" else "values")
+    b, h, t, d = x.shape
     _pow2(d, "head_dim")
     _pow2(group, "group")
-    x = k.contiguous()
-    codes = torch.empty(b, h, t, packed_length(d, bits), dtype=torch.uint8, device=k.device)
-    scale = torch.empty(b, h, t // group, d, dtype=torch.float16, device=k.device)
-    zero = torch.empty_like(scale)
+    codes = torch.empty(b, h, t, packed_length(d, bits), dtype=torch.uint8, device=x.device)
+    groups = (t // group, d) if axis == "channel" else (t, d // group)
+    scale = torch.empty(b, h, *groups, dtype=torch.float16, device=x.device)
+    return x.contiguous(), codes, scale, torch.empty_like(scale)
+
+
+def kivi_keys_triton(k: torch.Tensor, bits: int, group: int):
+    x, codes, scale, zero = _outputs(k, bits, group, "channel")
+    b, h, t, d = x.shape
     if t:
         _keys_kernel[(b * h, t // group)](x, codes, scale, zero, t, codes.shape[-1], D=d, GROUP=group, BITS=bits)
     return codes, scale, zero
 
 
 def kivi_values_triton(v: torch.Tensor, bits: int, group: int, block_rows: int = 16):
-    b, h, t, d = v.shape
-    _check(v, bits, group, d, "values")
-    _pow2(d, "head_dim")
-    _pow2(group, "group")
-    x = v.contiguous()
-    codes = torch.empty(b, h, t, packed_length(d, bits), dtype=torch.uint8, device=v.device)
-    scale = torch.empty(b, h, t, d // group, dtype=torch.float16, device=v.device)
-    zero = torch.empty_like(scale)
+    x, codes, scale, zero = _outputs(v, bits, group, "token")
+    b, h, t, d = x.shape
     n_rows = b * h * t
     if n_rows:
         _values_kernel[(triton.cdiv(n_rows, block_rows),)](
