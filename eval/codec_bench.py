@@ -37,6 +37,8 @@ from .perplexity import streaming_perplexity
 ROWS = ("baselines", "lossy", "tiered")
 # lossy settings: label -> encode options
 LOSSY_SETTINGS = {
+    "lossy head 544": {"bins": (5, 4, 4), "step_from": "head"},
+    "lossy head 666": {"bins": (6, 6, 6), "step_from": "head"},
     "lossy hi": {"bins": (16, 12, 8), "step_from": "values"},
     "lossy mid": {"bins": (12, 8, 6), "step_from": "values"},
     "lossy lo": {"bins": (8, 6, 4), "step_from": "values"},

@@ -2,9 +2,10 @@
 
 * 1-byte tensors (packed uint8 codes, int8 codes, fp8 values): the bytes as symbols, or unpacked into 4-bit or 2-bit
   symbols (the same bits, cut differently: bit-exact whatever the packing layout), entropy-coded with `constriction`,
-  one categorical model per KV head (`[batch, heads, tokens, ...]` tensors);
+  one categorical model per KV head (`[batch, heads, tokens, ...]` tensors) or per (KV head, last-dim position):
+  per-channel key codes have a distribution of their own in every channel;
 * 2-byte tensors (fp16 scales / zeros / tails): the high bytes (sign, exponent, top mantissa bits) entropy-coded per
-  head, the low bytes raw; or both byte planes zstd-compressed;
+  head or per (head, channel), the low bytes raw; or both byte planes zstd-compressed;
 * anything else: byte planes + zstd.
 
 Each tensor keeps whichever candidate is smallest (its name is in the metadata), so the round trip is bit-exact.
@@ -24,41 +25,52 @@ def _raw_bytes(t: torch.Tensor) -> bytes:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _per_head(u8: np.ndarray) -> np.ndarray:
-    """`[batch, heads, ...]` bytes -> `[heads, batch * rest]` (one row per head; one row for < 2-D tensors)."""
-    if u8.ndim >= 2 and u8.shape[1] > 0:
-        return np.ascontiguousarray(np.moveaxis(u8, 1, 0)).reshape(u8.shape[1], -1)
-    return u8.reshape(1, -1)
+def _rows(u8: np.ndarray, by_channel: bool) -> np.ndarray:
+    """`[batch, heads, ..., last]` bytes -> one row per head (`[heads, batch * rest]`), or with `by_channel` one row
+    per (head, last-dim position) (`[heads * last, batch * rest]`); one row for < 2-D tensors."""
+    if u8.ndim < 2 or u8.shape[1] == 0:
+        return u8.reshape(1, -1)
+    h = np.moveaxis(u8, 1, 0)  # [heads, batch, ..., last]
+    if by_channel and h.ndim >= 3:
+        return np.ascontiguousarray(np.moveaxis(h, -1, 1)).reshape(h.shape[0] * h.shape[-1], -1)
+    return np.ascontiguousarray(h).reshape(h.shape[0], -1)
 
 
-def _from_per_head(rows: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    if len(shape) >= 2 and shape[1] > 0:
-        return np.moveaxis(rows.reshape(shape[1], shape[0], *shape[2:]), 0, 1)
-    return rows.reshape(shape)
+def _from_rows(rows: np.ndarray, shape: tuple[int, ...], by_channel: bool) -> np.ndarray:
+    if len(shape) < 2 or shape[1] == 0:
+        return rows.reshape(shape)
+    moved = (shape[1], shape[0], *shape[2:])  # [heads, batch, ..., last]
+    if by_channel and len(shape) >= 3:
+        h = np.moveaxis(rows.reshape(shape[1], shape[-1], *moved[1:-1]), 1, -1)
+    else:
+        h = rows.reshape(moved)
+    return np.moveaxis(h, 0, 1)
 
 
-def _ans_bytes(u8: np.ndarray, bits: int) -> bytes:
-    """Entropy-code a uint8 array cut into `bits`-bit symbols (8, 4 or 2), one model per head."""
-    rows = _per_head(u8)
+def _ans_bytes(u8: np.ndarray, bits: int, by_channel: bool = False) -> bytes:
+    """Entropy-code a uint8 array cut into `bits`-bit symbols (8, 4 or 2), one model per head, or per (head,
+    channel) with `by_channel` (the symbols of one last-dim position: e.g. one channel of per-channel key codes)."""
     per = 8 // bits
     if per > 1:
         mask = (1 << bits) - 1
-        rows = np.stack([(rows >> (bits * j)) & mask for j in range(per)], axis=-1).reshape(rows.shape[0], -1)
-    return encode_groups(list(rows.astype(np.int32)), 1 << bits)
+        u8 = np.stack([(u8 >> (bits * j)) & mask for j in range(per)], axis=-1).reshape(*u8.shape[:-1], -1)
+    return encode_groups(list(_rows(u8, by_channel).astype(np.int32)), 1 << bits)
 
 
-def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int) -> np.ndarray:
-    heads = shape[1] if len(shape) >= 2 and shape[1] > 0 else 1
-    numel = int(np.prod(shape))
+def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: bool = False) -> np.ndarray:
     per = 8 // bits
-    rows = np.stack(decode_groups(data, [numel // heads * per] * heads))
+    sym_shape = (*shape[:-1], shape[-1] * per) if shape else shape
+    numel = int(np.prod(sym_shape))
+    groups = 1 if len(shape) < 2 or shape[1] == 0 else shape[1] * (sym_shape[-1] if by_channel and len(shape) >= 3 else 1)
+    rows = np.stack(decode_groups(data, [numel // groups] * groups))
+    u8 = _from_rows(rows, sym_shape, by_channel)
     if per > 1:
-        rows = rows.reshape(heads, -1, per)
-        packed = np.zeros(rows.shape[:2], dtype=np.int32)
+        u8 = u8.reshape(*shape, per)
+        packed = np.zeros(shape, dtype=np.int32)
         for j in range(per):
-            packed |= rows[:, :, j] << (bits * j)
-        rows = packed
-    return _from_per_head(rows.astype(np.uint8), shape)
+            packed |= u8[..., j].astype(np.int32) << (bits * j)
+        u8 = packed
+    return u8.astype(np.uint8)
 
 
 def _planes(t: torch.Tensor) -> np.ndarray:
@@ -76,9 +88,11 @@ def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
         u8 = _planes(t)[..., 0]
         for bits in (8, 4, 2):
             candidates[f"ans{bits}"] = _ans_bytes(u8, bits)
+            candidates[f"ans{bits}c"] = _ans_bytes(u8, bits, by_channel=True)
     elif t.element_size() == 2:
         planes = _planes(t)
         candidates["hi-ans"] = join_parts([_ans_bytes(planes[..., 1], 8), planes[..., 0].tobytes()])
+        candidates["hi-ansc"] = join_parts([_ans_bytes(planes[..., 1], 8, True), planes[..., 0].tobytes()])
     enc = min(candidates, key=lambda k: len(candidates[k]))
     return candidates[enc], {**meta, "enc": enc}
 
@@ -91,13 +105,14 @@ def decode_tensor(data: bytes, meta: dict) -> torch.Tensor:
         return torch.empty(shape, dtype=dt)
     itemsize = torch.empty((), dtype=dt).element_size()
     numel = int(np.prod(shape))
-    if enc in ("ans8", "ans4", "ans2"):
-        u8 = _ans_unbytes(data, shape, int(enc[3:]))
-    elif enc == "hi-ans":
+    if enc in ("ans8", "ans4", "ans2", "ans8c", "ans4c", "ans2c"):
+        u8 = _ans_unbytes(data, shape, int(enc[3]), by_channel=enc.endswith("c"))
+    elif enc in ("hi-ans", "hi-ansc"):
         hi_part, lo_part = split_parts(data, 2)
         if len(lo_part) != numel:
             raise ValueError("corrupt KV blob: low-byte plane has the wrong size")
-        u8 = np.stack([np.frombuffer(lo_part, dtype=np.uint8).reshape(shape), _ans_unbytes(hi_part, shape, 8)], -1)
+        hi = _ans_unbytes(hi_part, shape, 8, by_channel=enc == "hi-ansc")
+        u8 = np.stack([np.frombuffer(lo_part, dtype=np.uint8).reshape(shape), hi], -1)
     elif enc == "zstd-shuffle":
         u8 = np.frombuffer(shuffle_decompress(data, itemsize, numel * itemsize), dtype=np.uint8)
     else:

@@ -32,7 +32,7 @@ import zstandard
 from .entropy import decode_groups, encode_groups
 
 _PARTS = struct.Struct("<I")
-STEP_FROM = ("deltas", "values")
+STEP_FROM = ("deltas", "values", "head")
 
 
 def join_parts(parts: list[bytes]) -> bytes:
@@ -63,8 +63,10 @@ class LossyOptions:
     - bins: bins across +-2 std of a channel's deltas, one value per depth band (shallow layers first); a single int
       applies to every layer
     - group_channels: channels (over heads x head_dim) sharing one entropy model
-    - step_from: what the +-2 std that `bins` divides is measured on: "deltas" (each channel's deltas) or "values"
+    - step_from: what the +-2 std that `bins` divides is measured on: "deltas" (each channel's deltas), "values"
       (each channel's values: the same absolute error for channels whose deltas are small, so they cost fewer bits)
+      or "head" (one step for all channels of a KV head, from the RMS of their value spreads: low-variance channels
+      then cost almost no bits and every channel of the head gets the same absolute error)
     """
 
     chunk_size: int = 32
@@ -123,7 +125,9 @@ def encode_tensor(x: torch.Tensor, bins: int, opts: LossyOptions) -> tuple[bytes
         # channel-major [h * d, b * nr]: one contiguous row per channel, entropy groups are row blocks
         rows = np.ascontiguousarray(deltas.transpose(1, 3, 0, 2)).reshape(h * d, b * nr)
         ref = xc.reshape(b, h, n * c, d)[:, :, :t].transpose(1, 3, 0, 2).reshape(h * d, -1)
-        spread = ref.std(axis=1) if opts.step_from == "values" else rows.std(axis=1)
+        spread = rows.std(axis=1) if opts.step_from == "deltas" else ref.std(axis=1)
+        if opts.step_from == "head":  # one step per head: the RMS of its channels' spreads (reverse water-filling)
+            spread = np.repeat(np.sqrt(np.square(spread).reshape(h, d).mean(axis=1)), d)
         step = np.maximum(4.0 * spread / bins, 1e-6).astype(np.float16).astype(np.float32)  # [h * d]
         sym = np.rint(rows / step[:, None]).astype(np.int64)
         limit = int(min(2 * bins, max(1, int(np.abs(sym).max()))))
