@@ -1,5 +1,7 @@
 """H2OCache: eviction policies, per-head selection, positions and masks after eviction, padding, beams, crop."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -230,6 +232,87 @@ def test_plain_sdpa_model_gets_a_clear_error(tiny_model):
         model(ids, past_key_values=cache)
         with pytest.raises(RuntimeError, match="only the 'hf_kvcache' attention reports"):
             model(ids[:, :1], past_key_values=cache)
+
+
+# ---- crop before eviction ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options",
+    [dict(policy="h2o"), dict(policy="h2o", decay=0.8), dict(policy="hybrid", sink_length=2),
+     dict(policy="h2o", head_budgets=True), dict(policy="snapkv", window=8)],
+    ids=["h2o", "h2o-decay", "hybrid", "head-budgets", "snapkv"],
+)
+def test_crop_leaves_the_cache_that_never_saw_the_cropped_tokens(tiny_model, options):
+    """A forward of 5 tokens cropped by 3 (assisted decoding rejecting candidates) before anything was evicted must
+    leave the cache that a forward of the 2 kept tokens leaves: the same scores (without the mass the cropped
+    queries gave, which made the four mass cases evict other tokens), then the same evictions and logits once the
+    budget is reached. snapkv keeps nothing more for crop: the 3 tokens to come before any eviction refill its
+    window."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 30), generator=torch.Generator().manual_seed(2))
+    cache = H2OCache(config=model.config, budget=16, **options)
+    with torch.inference_mode():
+        model(ids[:, :10], past_key_values=cache)
+        never = copy.deepcopy(cache)
+        model(ids[:, 10:15], past_key_values=cache)  # 15 tokens held: nothing evicted yet
+        cache.crop(-3)
+        model(ids[:, 10:12], past_key_values=never)
+        assert cache.get_seq_length() == never.get_seq_length() == 12
+        if "scores" in never.layers[0].store:
+            for a, b in zip(cache.layers, never.layers):
+                torch.testing.assert_close(a.store["scores"], b.store["scores"], atol=1e-5, rtol=0)
+        for start, end in ((12, 13), (13, 20), (20, 21)):  # the budget is reached at 17 tokens
+            got = model(ids[:, start:end], past_key_values=cache).logits
+            want = model(ids[:, start:end], past_key_values=never).logits
+            for a, b in zip(cache.layers, never.layers):
+                assert torch.equal(a.store["positions"], b.store["positions"])
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    layer = cache.layers[0]  # the queries kept for crop go with the first eviction (window policies keep theirs)
+    assert layer.evicted() > 0 and (layer.ring is None) == (layer.window == 0)
+
+
+def test_crop_keeps_queries_only_while_it_can_be_needed(tiny_model):
+    """The queries kept for crop count in memory_stats, go with the first eviction, and are never kept when the
+    budget never evicts (budget=1.0) or by policies that accumulate no mass."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(3))
+    caches = {name: H2OCache(config=model.config, **kw) for name, kw in
+              (("h2o", dict(budget=16)), ("all", dict(budget=1.0)), ("recent", dict(budget=16, policy="recent")))}
+    with torch.inference_mode():
+        for cache in caches.values():
+            model(ids, past_key_values=cache)
+    layer = caches["h2o"].layers[0]
+    assert layer.queries.shape == (B, 4, 12, D) and layer.queries.dtype == torch.float32  # the model's dtype
+    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    assert layer.nbytes() == sum(t.nbytes for t in layer.store.values()) + ring
+    assert caches["all"].layers[0].ring is None and caches["recent"].layers[0].ring is None
+
+
+def test_crop_it_cannot_undo_is_a_clear_error(tiny_model):
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(4))
+    with torch.inference_mode():
+        cache = H2OCache(config=model.config, budget=16, crop_window=4)
+        model(ids[:, :6], past_key_values=cache)
+        model(ids[:, 6:12], past_key_values=cache)
+        with pytest.raises(ValueError, match=r"positions 7 \.\. 11.*build the cache with crop_window >= 5"):
+            cache.crop(-5)
+        cache.crop(-4)  # within the window
+        # with decay a crop inside a forward needs that whole forward's queries (their mass is recomputed too)
+        faded = H2OCache(config=model.config, budget=16, decay=0.9, crop_window=4)
+        model(ids[:, :8], past_key_values=faded)
+        with pytest.raises(ValueError, match=r"positions 0 \.\. 7.*crop_window >= 8"):
+            faded.crop(-2)
+        quantized = H2OCache(config=model.config, budget=16, quant_bits=8)
+        model(ids[:, :8], past_key_values=quantized)
+        with pytest.raises(ValueError, match="quant_bits=8 and policy='h2o'.*Use quant_bits=None"):
+            quantized.crop(-2)
+    with pytest.raises(ValueError, match="crop_window applies to the policies that accumulate"):
+        H2OCache(config=model.config, policy="tova", crop_window=8)
+    with pytest.raises(ValueError, match="crop_window must be a non-negative integer"):
+        H2OCache(config=model.config, crop_window=-1)
 
 
 # ---- the real model -------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ several decoding steps alike. Every tensor counts in `memory_stats()`.
 
 Data flow of one forward: `update` appends the new tokens (quantized when `quant_bits` is set; attention then sees the
 held tokens dequantized and the new ones exact) and returns everything held; the `"hf_kvcache"` attention reports the
-last queries (`observe_queries`, window policies only), which keys the mask lets any query see
+last queries (`observe_queries`: window policies, and h2o / hybrid until they evict, for `crop`), which keys the mask lets any query see
 (`observe_visible_keys`) and the attention mass each key received, summed over the query heads of its group and over
 the queries (`observe_attention`, computed chunk by chunk for long prompts); the layer adds the mass to the scores
 (fading them by `decay` first) and evicts down to the budget with its policy (`hf_kvcache.policy`). Between two
@@ -40,8 +40,14 @@ Every policy needs the `"hf_kvcache"` attention (for the scores, and for the pad
 attention implementation the next `update` raises an error that says what to set; `generate(cache_implementation=
 "h2o")` switches the model by itself (`needs_attention_mass`).
 
-`crop` works while nothing was evicted yet (the scores then keep the mass the cropped queries gave); once tokens were
-evicted it raises, since the state before the cropped tokens cannot be restored.
+`crop` works while nothing was evicted yet, and leaves the layer the one that never saw the cropped tokens. With the
+policies that accumulate mass (h2o, hybrid), a layer keeps until its first eviction the queries of the last
+`crop_window` positions (32, in the model's dtype; counted in `memory_stats()`; none when the budget never evicts),
+from which `crop` recomputes the attention mass the cropped queries gave and takes it out of the scores (undoing the
+decay too). Window policies need nothing more: n cropped tokens mean n new ones before the next eviction, which
+refill their window. A crop it cannot undo raises a ValueError that says what to change: more tokens than
+`crop_window`, `quant_bits` with h2o / hybrid (the new keys those queries saw exactly are now stored quantized), and
+any crop once tokens were evicted (the state before the cropped tokens cannot be restored).
 """
 
 from __future__ import annotations
@@ -55,10 +61,12 @@ import torch
 from ..options import CacheOptions, check_choice, check_int, check_number, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention
+from ..policy.ring import QueryRing
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
 from .base import FP16_BYTES, CompressedCache, CompressedLayer
 
 DEFAULT_SINK_LENGTH = 4
+DEFAULT_CROP_WINDOW = 32  # queries kept so that `crop` can undo what they did (see H2OOptions.crop_window)
 SPLIT_OPTIONS = ("recent_length", "recent_ratio", "heavy_length", "heavy_ratio")
 
 MISSING_MASS = (
@@ -93,7 +101,11 @@ class H2OOptions(CacheOptions):
     (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
     `head_budgets`: per-head budgets inside a layer (Ada-KV): the layer keeps `budget x kv_heads` slots per row, shared
     by the heads by score (each head keeps at least a fifth of the budget), stored compactly between forwards (a flat
-    `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots."""
+    `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots.
+    `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
+    `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
+    scores (assisted decoding crops the rejected candidates); 0 keeps none (a crop then raises). Not kept when the
+    budget never evicts."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -110,6 +122,7 @@ class H2OOptions(CacheOptions):
     pyramid: float | None = None
     min_budget: int | None = None
     head_budgets: bool = False
+    crop_window: int | None = None
 
     def validate(self) -> None:
         check_choice("policy", self.policy, tuple(POLICIES))
@@ -171,6 +184,10 @@ class H2OOptions(CacheOptions):
             if self.quant_bits is None:
                 raise ValueError("quant_group_size applies when quant_bits is set (8, 4 or 2)")
             check_positive_int("quant_group_size", self.quant_group_size)
+        check_int("crop_window", self.crop_window, lo=0, allow_none=True, hint=" (queries kept so that crop can undo them)")
+        if self.crop_window is not None and not policy.uses_mass:
+            raise ValueError(f"crop_window applies to the policies that accumulate attention mass (h2o, hybrid), not "
+                             f"{self.policy!r}")
         if not isinstance(self.head_budgets, bool):
             raise ValueError(f"head_budgets must be True or False, got {self.head_budgets!r}")
         if self.head_budgets and (not policy.needs_scores or policy.uses_keys):
@@ -224,18 +241,48 @@ class H2OLayer(CompressedLayer):
     def __init__(self, options: H2OOptions | None = None) -> None:
         super().__init__(options if options is not None else H2OOptions())
         self.policy = self.options.make_policy()
-        self.query_window = self.policy.query_window()  # read by the hf_kvcache attention
+        self.window = self.policy.query_window()  # the queries the policy reads (`view.window`)
+        crop = self.options.crop_window
+        self.crop_window = DEFAULT_CROP_WINDOW if crop is None else crop
         self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
         self._clear_queries()
 
     def _clear_queries(self) -> None:
-        self.queries: torch.Tensor | None = None  # [batch, heads, <= W, head_dim], 16-bit
-        self.query_positions: torch.Tensor | None = None  # [<= W] int64
-        self.query_valid: torch.Tensor | None = None  # [batch, <= W] bool
-        self.scaling = 1.0
+        self.ring: QueryRing | None = None  # the last `query_window` queries (16-bit for window policies)
         self._new_queries = 0
+
+    @property
+    def query_window(self) -> int:
+        """Queries the `"hf_kvcache"` attention reports (`observe_queries`): the policy's window, plus `crop_window`
+        while `crop` may have to undo what they did (`tracks_crop`)."""
+        return self.window + (self.crop_window if self.tracks_crop() else 0)
+
+    def tracks_crop(self) -> bool:
+        """Whether the ring keeps queries for `crop`: for the policies that accumulate attention mass (h2o,
+        hybrid), while nothing was evicted (crop raises after that), unless the budget never evicts (a ratio of
+        1.0). Window policies need none: a crop of n tokens leaves at least n tokens to arrive before the next
+        eviction (nothing was evicted with them held), which refill their window."""
+        if not self.policy.uses_mass or self._dropped():
+            return False
+        b = self.options.budget
+        return not (isinstance(b, float) and b * self.budget_scale >= 1.0)
+
+    @property
+    def queries(self) -> torch.Tensor | None:
+        """`[batch, heads, <= query_window, head_dim]` the queries of the ring (None before any)."""
+        return None if self.ring is None else self.ring.queries
+
+    @property
+    def query_positions(self) -> torch.Tensor | None:
+        """`[<= query_window]` int64 their positions."""
+        return None if self.ring is None else self.ring.positions
+
+    @property
+    def query_valid(self) -> torch.Tensor | None:
+        """`[batch, <= query_window]` bool: False for padding queries."""
+        return None if self.ring is None else self.ring.valid
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bits, group = self.options.quant_bits, self.options.quant_group_size
@@ -300,31 +347,27 @@ class H2OLayer(CompressedLayer):
         return self._dequantize("key", self.head_dim) if self.quantized else self.store["keys"]
 
     def held_tensors(self) -> list[torch.Tensor]:
-        ring = [t for t in (self.queries, self.query_positions, self.query_valid, self.counts) if t is not None]
-        return list(self.store.values()) + ring
+        ring = [] if self.ring is None else self.ring.tensors()
+        return list(self.store.values()) + ring + ([] if self.counts is None else [self.counts])
 
     # ---- what the attention function reports --------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
         """The last `query_window` queries of this forward `[batch, heads, w, head_dim]` (post-RoPE): kept in a ring
-        of the last `query_window` queries (16-bit), with their positions and padding flags."""
+        of the last `query_window` queries, with their positions and padding flags; 16-bit for window policies (what
+        they read), the model's dtype for the mass policies (`crop` recomputes the mass they gave as the attention
+        computed it)."""
         if not self._pending or not self.query_window:
             return
         w = queries.shape[2]
         if w > self._pending:
             raise ValueError(f"{w} queries reported for {self._pending} new tokens")
-        dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
-        q = queries.detach().to(dtype)
-        pos = torch.arange(self.cumulative_length - w, self.cumulative_length, device=q.device)
-        valid = torch.ones(q.shape[0], w, dtype=torch.bool, device=q.device)
-        if self.queries is not None and self.queries.shape[0] == q.shape[0]:
-            q = torch.cat([self.queries, q], dim=2)
-            pos = torch.cat([self.query_positions, pos])
-            valid = torch.cat([self.query_valid, valid], dim=1)
+        dtype = self.dtype
+        if self.window:
+            dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
+        end = self.cumulative_length
+        new = QueryRing.of_forward(queries, end - self._pending, end, scaling, dtype)
         keep = self.query_window
-        # compact copies: a slice would keep the model's whole query tensor (or the previous ring) alive
-        self.queries = q[:, :, -keep:].clone(memory_format=torch.contiguous_format)
-        self.query_positions, self.query_valid = pos[-keep:].clone(), valid[:, -keep:].clone()
-        self.scaling = float(scaling)
+        self.ring = new.last(keep) if self.ring is None else self.ring.extend(new, keep)
         self._new_queries = w
 
     def observe_visible_keys(self, visible: torch.Tensor | None) -> None:
@@ -335,9 +378,8 @@ class H2OLayer(CompressedLayer):
         if visible.shape != (valid.shape[0], valid.shape[2]):
             raise ValueError(f"visible keys {tuple(visible.shape)} do not match the held slots {tuple(valid.shape)}")
         valid[:, :, -n:] &= visible[:, None, -n:].to(valid.device)
-        if self._new_queries and self.query_valid is not None:  # a padding position is no query either
-            w = min(self._new_queries, self.query_valid.shape[1])
-            self.query_valid[:, -w:] &= visible[:, -w:].to(self.query_valid.device)
+        if self._new_queries and self.ring is not None:  # a padding position is no query either
+            self.ring.mark_invisible(visible, self._new_queries)
 
     def observe_attention(self, mass: torch.Tensor) -> None:
         if not self._pending:
@@ -354,12 +396,14 @@ class H2OLayer(CompressedLayer):
         self._pending = 0
         self._new_queries = 0
         self.evict()
+        if self.ring is not None and len(self.ring) > self.query_window:  # evicted: crop can no longer undo
+            self.ring = self.ring.last(self.query_window) if self.query_window else None
 
     # ---- eviction -----------------------------------------------------------------------------------------------
     def slot_view(self) -> SlotView:
         s = self.store
-        uses_window = self.query_window > 0
-        if uses_window and self.queries is None:
+        uses_window = self.window > 0
+        if uses_window and self.ring is None:
             raise RuntimeError(
                 f"policy {self.options.policy!r} ranks tokens by the attention of the last queries, which the "
                 "'hf_kvcache' attention reports (layer.observe_queries) before the attention mass; call "
@@ -368,9 +412,8 @@ class H2OLayer(CompressedLayer):
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
         window = None
         if uses_window:
-            window = window_attention(
-                self.queries, self.query_positions, self.query_valid, keys, s["positions"], s["valid"], self.scaling
-            )
+            r = self.ring.last(self.window)
+            window = window_attention(r.queries, r.positions, r.valid, keys, s["positions"], s["valid"], r.scaling)
         return SlotView(
             s.get("scores"), s["positions"], s["valid"], seen=self.cumulative_length, keys=keys, window=window
         )
@@ -441,12 +484,21 @@ class H2OLayer(CompressedLayer):
 
     def evicted(self) -> int:
         """Tokens evicted by the head that evicted most (0 while a forward is under way)."""
-        held = int(self.counts.min()) if self.counts is not None and self.counts.numel() else self.tokens_held()
-        return self.cumulative_length - held if self._pending == 0 else 0
+        return self._dropped() if self._pending == 0 else 0
+
+    def _dropped(self) -> int:
+        """Tokens evicted so far by the head that evicted most (the new tokens of a forward count as held)."""
+        if self.counts is not None:
+            held = int(self.counts.min()) if self.counts.numel() else 0
+        elif self.options.head_budgets and self.store:
+            held = int((self.store["positions"] >= 0).sum(-1).min())
+        else:
+            held = self.tokens_held()
+        return self.cumulative_length - held
 
     def _map_queries(self, fn) -> None:
-        if self.queries is not None:
-            self.queries, self.query_valid = fn(self.queries), fn(self.query_valid)
+        if self.ring is not None:
+            self.ring = self.ring.map_rows(fn)
 
     def _batch_op(self, op, fn) -> None:
         compact = self.counts is not None
@@ -468,22 +520,66 @@ class H2OLayer(CompressedLayer):
                        lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _crop_newest(self, n: int) -> None:
-        if self.evicted() > 0:
+        """Drop the newest `n` tokens and what their queries did: the mass they gave (taken out of the scores,
+        `_undo_mass`) and their queries in the ring, so the layer is the one that never saw them."""
+        if self._dropped() > 0:
             raise ValueError(
                 f"H2OCache cannot crop {n} token(s): this layer already evicted "
-                f"{self.evicted()} of the {self.cumulative_length} tokens it saw, so the cache before those tokens "
+                f"{self._dropped()} of the {self.cumulative_length} tokens it saw, so the cache before those tokens "
                 "cannot be restored. Assisted / speculative decoding needs a cache that does not evict (or a budget "
                 "that covers the whole sequence)."
             )
+        keep = self.cumulative_length - n
         compact = self.counts is not None
         self._expand()
+        if self.tracks_crop():
+            self._undo_mass(keep)
         super()._crop_newest(n)
         if compact:
             self._compact(self.store["positions"] >= 0)
-        if self.queries is not None:  # queries of cropped positions go too
-            keep = self.query_positions < self.cumulative_length - n
-            self.queries, self.query_positions = self.queries[:, :, keep], self.query_positions[keep]
-            self.query_valid = self.query_valid[:, keep]
+        if self.ring is not None:  # queries of cropped positions go too
+            self.ring = self.ring.before(keep)
+
+    def _undo_mass(self, keep: int) -> None:
+        """Take out of the scores `[batch, kv_heads, slots]` what the queries of positions `keep ..` gave, recomputed
+        from the ring over the held keys (nothing was evicted: every key they saw is held), so the scores become
+        those of the layer that saw `keep` tokens. With `decay`, the forward `start .. end` cut by the crop counted
+        its kept queries' mass `M` after fading the older mass by `end - start`: the scores are S d^(seen - keep) +
+        ... + M d^(seen - end) with the cropped mass; they become S + ... + M, so M is recomputed too."""
+        seen, ring, n = self.cumulative_length, self.ring, self.cumulative_length - keep
+        d = self.policy.decay if self.policy.decay is not None and self.policy.decay < 1 else None
+        start, part_end = keep, keep
+        if d is not None and ring is not None and keep > 0:
+            part = ring.forward_of(keep - 1)
+            if part is not None and part[1] > keep:
+                start, part_end = part
+        if self.quantized:
+            raise ValueError(
+                f"H2OCache cannot crop {n} token(s) with quant_bits={self.options.quant_bits} and policy="
+                f"{self.options.policy!r}: its scores hold the attention mass the cropped queries gave, which can be "
+                "recomputed only from the keys those queries saw, now stored quantized. Use quant_bits=None, a "
+                "policy that keeps no mass (tova, snapkv, knorm, recent, sinks, strided) or budget=1.0 (nothing "
+                "evicted: the scores never matter)"
+            )
+        if ring is None or not ring.covers(start, seen):
+            raise ValueError(
+                f"H2OCache cannot crop {n} token(s): its scores hold the attention mass of the queries of positions "
+                f"{start} .. {seen - 1}, and this layer keeps the queries of only the last crop_window="
+                f"{self.crop_window} positions (reported by the 'hf_kvcache' attention, observe_queries) to take it "
+                f"out; build the cache with crop_window >= {seen - start}"
+            )
+        s = self.store
+        att = ring.attention(self.held_keys(), s["positions"], s["valid"], start, seen)  # [b, h, seen - start, slots]
+        scores = s["scores"]
+        if d is None:
+            scores -= att.sum(2)
+            return
+        pos = range(start, seen)
+        ends = torch.tensor([ring.forward_of(p)[1] for p in pos], dtype=torch.float32, device=att.device)
+        cropped = torch.arange(start, seen, device=att.device) >= keep
+        gone = (att * torch.where(cropped, d ** (seen - ends), 0.0)[:, None]).sum(2)
+        kept = att[:, :, ~cropped].sum(2)
+        scores.sub_(gone + d ** (seen - part_end) * kept).div_(d**n).add_(kept)
 
     def reset(self) -> None:
         super().reset()
