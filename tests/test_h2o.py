@@ -36,7 +36,7 @@ def step(cache, n, mass=None, visible=None, seed=0):
 
 
 def kept_positions(cache, layer=0):
-    return cache.layers[layer].store["positions"].long()
+    return cache.layers[layer].held_positions()
 
 
 # ---- options ------------------------------------------------------------------------------------------------------
@@ -99,8 +99,9 @@ def test_each_kv_head_keeps_its_own_heavy_hitters():
     layer = cache.layers[1]
     for h in range(H):  # the stored keys/values are the tokens at those positions, for that head
         idx = pos[1, h]
-        assert torch.equal(layer.store["keys"][1, h], k[1, h, idx])
-        assert torch.equal(layer.store["values"][1, h], v[1, h, idx])
+        keys, values = layer.held_keys_values()
+        assert torch.equal(keys[1, h], k[1, h, idx])
+        assert torch.equal(values[1, h], v[1, h, idx])
 
 
 def test_scores_accumulate_across_steps():
@@ -109,7 +110,7 @@ def test_scores_accumulate_across_steps():
     step(cache, 1, mass=lambda n: torch.tensor([0.0, 0.6, 0.0, 0.2]).expand(B, H, n).clone())
     # totals: pos0 1.0, pos1 0.6, pos2 0.5, pos3 0.2 -> keep 0, 1, 2
     assert kept_positions(cache)[0, 0].tolist() == [0, 1, 2]
-    assert torch.allclose(cache.layers[0].store["scores"][0, 0], torch.tensor([1.0, 0.6, 0.5]))
+    assert torch.allclose(cache.layers[0].held_scores()[0, 0], torch.tensor([1.0, 0.6, 0.5]))
 
 
 @pytest.mark.parametrize(
@@ -151,12 +152,12 @@ def test_padding_is_evicted_first_and_never_a_sink():
     pos = kept_positions(cache)
     assert pos[0, 0].tolist() == [0, 1, 2, 6, 7]
     assert pos[1, 0].tolist()[:2] == [3, 4] and pos[1, 0].tolist()[-2:] == [6, 7]  # sinks are the first real tokens
-    assert cache.layers[0].store["valid"].all()
+    assert cache.layers[0].held_valid().all()
     # a budget larger than the real tokens keeps all of them, padding first, still flagged
     cache = H2OCache(config=tiny_config(), budget=6, policy="recent")
     step(cache, 8, visible=visible)
     assert kept_positions(cache)[1, 0].tolist()[1:] == [3, 4, 5, 6, 7]
-    assert cache.layers[0].store["valid"][1, 0].tolist() == [False] + [True] * 5
+    assert cache.layers[0].held_valid()[1, 0].tolist() == [False] + [True] * 5
 
 
 def test_mask_after_eviction_is_causal_over_held_and_new():
@@ -176,7 +177,7 @@ def test_mask_after_eviction_is_causal_over_held_and_new():
     assert mask[0, 0, :, :held].all() and torch.equal(mask[0, 0, :, held:], new)
     assert torch.equal(mask[1, 0, :, :held], torch.tensor([[False] * 3 + [True] * 3] * q))
     assert torch.equal(mask[1, 0, :, held:], new)
-    valid = cache.layers[0].store["valid"][1]
+    valid = cache.layers[0].held_valid()[1]
     assert torch.equal(mask[1, 0, 0, :held], valid[0]) and torch.equal(valid[0], valid[1])
 
 
@@ -214,8 +215,8 @@ def test_forward_after_eviction_equals_dense_attention_over_kept_tokens(tiny_mod
         assert cache.tokens_held() == 9 and cache.get_seq_length() == 24
         dense = DynamicCache(config=model.config)
         for i, layer in enumerate(cache.layers):
-            dense.update(layer.store["keys"].clone(), layer.store["values"].clone(), i)
-        valid = cache.layers[0].store["valid"][:, 0].long()
+            dense.update(*(t.clone() for t in layer.held_keys_values()), i)
+        valid = cache.layers[0].held_valid()[:, 0].long()
         pos_ids = positions[:, 24:]
         out = model(ids[:, 24:], attention_mask=am, past_key_values=cache, position_ids=pos_ids).logits
         ref_mask = torch.cat([valid, am[:, 24:]], 1)
@@ -258,14 +259,14 @@ def test_crop_leaves_the_cache_that_never_saw_the_cropped_tokens(tiny_model, opt
         cache.crop(-3)
         model(ids[:, 10:12], past_key_values=never)
         assert cache.get_seq_length() == never.get_seq_length() == 12
-        if "scores" in never.layers[0].store:
+        if never.layers[0].held_scores() is not None:
             for a, b in zip(cache.layers, never.layers):
-                torch.testing.assert_close(a.store["scores"], b.store["scores"], atol=1e-5, rtol=0)
+                torch.testing.assert_close(a.held_scores(), b.held_scores(), atol=1e-5, rtol=0)
         for start, end in ((12, 13), (13, 20), (20, 21)):  # the budget is reached at 17 tokens
             got = model(ids[:, start:end], past_key_values=cache).logits
             want = model(ids[:, start:end], past_key_values=never).logits
             for a, b in zip(cache.layers, never.layers):
-                assert torch.equal(a.store["positions"], b.store["positions"])
+                assert torch.equal(a.held_positions(), b.held_positions())
             torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     layer = cache.layers[0]  # the queries kept for crop go with the first eviction (window policies keep theirs)
     assert layer.evicted() > 0 and (layer.ring is None) == (layer.window == 0)
@@ -285,7 +286,7 @@ def test_crop_keeps_queries_only_while_it_can_be_needed(tiny_model):
     layer = caches["h2o"].layers[0]
     assert layer.queries.shape == (B, 4, 12, D) and layer.queries.dtype == torch.float32  # the model's dtype
     ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
-    assert layer.nbytes() == sum(t.nbytes for t in layer.store.values()) + ring
+    assert layer.nbytes() == sum(t.nbytes for t in layer.slots.tensors()) + ring
     assert caches["all"].layers[0].ring is None and caches["recent"].layers[0].ring is None
 
 

@@ -4,10 +4,11 @@ hybrid -- optionally storing the kept tokens quantized.
     cache = H2OCache(config=model.config, budget=0.2, policy="snapkv")      # keep 20 % of the tokens seen
     model.generate(ids, cache_implementation="h2o", cache_config={"budget": 256, "policy": "tova", "quant_bits": 4})
 
-Storage (per layer, `self.store`, every tensor `[batch, kv_heads, kept, ...]`): `keys`/`values [.., head_dim]` in the
-model's dtype, or with `quant_bits` their KIVI-style codes (`key_codes`/`value_codes`, packed along head_dim) and
-per-token fp16 `*_scale`/`*_zero [.., groups]`; `scores` (float32 attention mass received so far; only for policies
-that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Each KV head keeps its
+Storage (per layer, `layer.slots`, an `H2OSlots`; every tensor `[batch, kv_heads, kept, ...]`): `keys`/`values [..,
+head_dim]` in the model's dtype, or with `quant_bits` their KIVI-style codes (`KIVIQuantized`: codes packed along
+head_dim, per-token fp16 scale / zero `[.., groups]`); `scores` (float32 attention mass received so far; only for
+policies that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Read them with
+`held_positions()`, `held_valid()`, `held_scores()`, `held_keys_values()` (rectangular also while compact). Each KV head keeps its
 own tokens, the same count for every head and row so the tensors stay rectangular; within a head the kept slots stay
 in order of position. Window policies (tova, snapkv) also hold the queries of the last `window` positions (`queries
 [batch, heads, W, head_dim]` in 16 bits, their positions and padding flags): from them the layer recomputes, at each
@@ -52,9 +53,10 @@ any crop once tokens were evicted (the state before the cropped tokens cannot be
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Union
 
 import torch
 
@@ -230,6 +232,95 @@ class H2OOptions(CacheOptions):
         )
 
 
+Stored = Union[torch.Tensor, KIVIQuantized]  # keys / values: in the model's dtype, or KIVI codes per token
+RowFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _map(x: Stored, fn: RowFn) -> Stored:
+    return x.map_rows(fn) if isinstance(x, KIVIQuantized) else fn(x)
+
+
+def _tensors(x: Stored) -> list[torch.Tensor]:
+    return x.tensors() if isinstance(x, KIVIQuantized) else [x]
+
+
+@dataclass
+class H2OSlots:
+    """The slots one H2O layer holds. Rectangular: every tensor `[batch, kv_heads, slots, ...]`, each head's slots in
+    order of position; compact (`head_budgets`, between forwards): every tensor flat `[kept, ...]`, in (row, head,
+    position) order.
+
+    `keys` / `values [.., head_dim]`: in the model's dtype, or (`quant_bits`) KIVI codes packed along head_dim with
+    per-token fp16 scale and zero `[.., groups]`; `positions` int32 (-1: a slot a head does not hold); `valid` bool
+    (False for padding and empty slots); `scores` float32, the attention mass received (h2o / hybrid only)."""
+
+    keys: Stored
+    values: Stored
+    positions: torch.Tensor
+    valid: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name: `keys` / `values`, or `key_codes`, `key_scale`, `key_zero`, `value_*`; `positions`,
+        `valid`, `scores`."""
+        out = {}
+        for kind, x in (("key", self.keys), ("value", self.values)):
+            if isinstance(x, KIVIQuantized):
+                out.update({f"{kind}_codes": x.codes, f"{kind}_scale": x.scale, f"{kind}_zero": x.zero})
+            else:
+                out[f"{kind}s"] = x
+        out["positions"], out["valid"] = self.positions, self.valid
+        if self.scores is not None:
+            out["scores"] = self.scores
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.named().values())
+
+    def map_rows(self, fn: RowFn) -> "H2OSlots":
+        """`fn` applied to every tensor (all share their leading dims: a batch-dim operation, a gather or a mask
+        along the slots)."""
+        return H2OSlots(_map(self.keys, fn), _map(self.values, fn), fn(self.positions), fn(self.valid),
+                        None if self.scores is None else fn(self.scores))
+
+    def select(self, index: torch.Tensor) -> "H2OSlots":
+        """The slots `index [batch, kv_heads, k]` of each row and head (rectangular storage)."""
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(2, index if t.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
+
+        return self.map_rows(take)
+
+    def cat(self, newer: "H2OSlots") -> "H2OSlots":
+        """These slots followed by `newer` (rectangular storage)."""
+
+        def join(a: Any, b: Any) -> Any:
+            if a is None:
+                return None
+            return a.cat(b) if isinstance(a, KIVIQuantized) else torch.cat([a, b], dim=2)
+
+        return H2OSlots(*(join(getattr(self, f.name), getattr(newer, f.name)) for f in dataclasses.fields(self)))
+
+    def compact(self, keep: torch.Tensor) -> "H2OSlots":
+        """Rectangular -> compact: the slots where `keep [batch, kv_heads, slots]` (bool) is True, flat."""
+        return self.map_rows(lambda t: t[keep])
+
+    def expand(self, counts: torch.Tensor) -> "H2OSlots":
+        """Compact -> rectangular `[batch, kv_heads, M, ...]` (M: the largest of `counts [batch, kv_heads]`), each
+        head's slots at the end, the missing ones in front holding nothing (positions -1, valid False, zeros)."""
+        m = int(counts.max()) if counts.numel() else 0
+        present = torch.arange(m, device=counts.device) >= (m - counts)[..., None]
+
+        def place(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+            out = t.new_full((*counts.shape, m, *t.shape[1:]), fill)
+            out[present] = t
+            return out
+
+        out = self.map_rows(place)
+        out.positions = place(self.positions, -1)
+        return out
+
+
 class H2OLayer(CompressedLayer):
     """One layer's kept tokens, their positions, padding flags and (policy permitting) scores, plus the queries of
     the last `query_window` positions for window policies (see the module docstring)."""
@@ -245,6 +336,7 @@ class H2OLayer(CompressedLayer):
         crop = self.options.crop_window
         self.crop_window = DEFAULT_CROP_WINDOW if crop is None else crop
         self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
+        self.slots: H2OSlots | None = None  # what the layer holds (None before the first update)
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
         self._clear_queries()
@@ -312,43 +404,71 @@ class H2OLayer(CompressedLayer):
         b, h, n = key_states.shape[:3]
         start = self.cumulative_length - n
         dev = key_states.device
-        if self.quantized:
-            new = {**self._quantize("key", key_states), **self._quantize("value", value_states)}
-        else:
-            new = {"keys": key_states, "values": value_states}
-        if self.policy.uses_mass:
-            new["scores"] = torch.zeros(b, h, n, dtype=torch.float32, device=dev)
-        new["positions"] = torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous()
-        new["valid"] = torch.ones(b, h, n, dtype=torch.bool, device=dev)
-        for name, t in new.items():
-            self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store else t
-
-    def _quantize(self, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`{kind}_codes [b, h, n, packed]`, `{kind}_scale` / `{kind}_zero [b, h, n, groups]` (fp16): token-aligned,
-        so eviction gathers them like any other slot tensor."""
-        q = quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
-        return {f"{kind}_codes": q.codes, f"{kind}_scale": q.scale, f"{kind}_zero": q.zero}
-
-    def _dequantize(self, kind: str, dim: int) -> torch.Tensor:
-        s = self.store
-        q = KIVIQuantized(
-            s[f"{kind}_codes"], s[f"{kind}_scale"], s[f"{kind}_zero"], self.options.quant_bits,
-            self.options.quant_group_size or dim, "token", dim,
+        keys, values = (self._quantize(key_states), self._quantize(value_states)) if self.quantized else (
+            key_states, value_states)
+        new = H2OSlots(
+            keys, values,
+            positions=torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous(),
+            valid=torch.ones(b, h, n, dtype=torch.bool, device=dev),
+            scores=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.policy.uses_mass else None,
         )
-        return dequantize_kivi(q, self.dtype)
+        self.slots = new if self.slots is None else self.slots.cat(new)
+
+    def _quantize(self, x: torch.Tensor) -> KIVIQuantized:
+        """KIVI codes `[b, h, n, packed]`, fp16 scale / zero `[b, h, n, groups]`: token-aligned, so eviction gathers
+        them like any other slot tensor."""
+        return quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
+
+    def _plain(self, x: Stored) -> torch.Tensor:
+        return dequantize_kivi(x, self.dtype) if isinstance(x, KIVIQuantized) else x
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.quantized:
-            return self._dequantize("key", self.head_dim), self._dequantize("value", self.value_dim)
-        return self.store["keys"], self.store["values"]
+        return self._plain(self.slots.keys), self._plain(self.slots.values)
 
     def held_keys(self) -> torch.Tensor:
         """`[batch, kv_heads, slots, head_dim]` the held keys in the model's dtype (dequantized when quantized)."""
-        return self._dequantize("key", self.head_dim) if self.quantized else self.store["keys"]
+        return self._plain(self.slots.keys)
 
     def held_tensors(self) -> list[torch.Tensor]:
         ring = [] if self.ring is None else self.ring.tensors()
-        return list(self.store.values()) + ring + ([] if self.counts is None else [self.counts])
+        slots = [] if self.slots is None else self.slots.tensors()
+        return slots + ring + ([] if self.counts is None else [self.counts])
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.slots is None else self.slots.named()
+
+    def batch_size(self) -> int:
+        if self.counts is not None:
+            return self.counts.shape[0]
+        return 0 if self.slots is None else self.slots.positions.shape[0]
+
+    def _map_store(self, fn: RowFn) -> None:
+        if self.slots is not None:
+            self.slots = self.slots.map_rows(fn)
+
+    # ---- read accessors: rectangular `[batch, kv_heads, slots, ...]` also while the storage is compact ----------
+    def _rect(self) -> H2OSlots:
+        if self.slots is None:
+            raise ValueError("this H2O layer holds no tokens yet: read it after a forward")
+        return self.slots if self.counts is None else self.slots.expand(self.counts)
+
+    def held_positions(self) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` int64: the position of each held slot (-1: a slot a head does not hold)."""
+        return self._rect().positions.long()
+
+    def held_valid(self) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` bool: False for padding and for slots a head does not hold."""
+        return self._rect().valid
+
+    def held_scores(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, slots]` float32: the attention mass each slot received (None unless h2o / hybrid)."""
+        return self._rect().scores
+
+    def held_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys `[batch, kv_heads, slots, head_dim]` and values `[.., value_dim]` held, in the model's dtype
+        (dequantized when quantized; zeros in the slots a head does not hold)."""
+        r = self._rect()
+        return self._plain(r.keys), self._plain(r.values)
 
     # ---- what the attention function reports --------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
@@ -374,7 +494,7 @@ class H2OLayer(CompressedLayer):
         if visible is None or not self._pending:
             return
         n = self._pending
-        valid = self.store["valid"]
+        valid = self.slots.valid
         if visible.shape != (valid.shape[0], valid.shape[2]):
             raise ValueError(f"visible keys {tuple(visible.shape)} do not match the held slots {tuple(valid.shape)}")
         valid[:, :, -n:] &= visible[:, None, -n:].to(valid.device)
@@ -384,11 +504,11 @@ class H2OLayer(CompressedLayer):
     def observe_attention(self, mass: torch.Tensor) -> None:
         if not self._pending:
             return  # e.g. the attention of a layer called twice per forward: count the first call only
-        valid = self.store["valid"]
+        valid = self.slots.valid
         if mass.shape != valid.shape:
             raise ValueError(f"attention mass {tuple(mass.shape)} does not match the held slots {tuple(valid.shape)}")
         if self.policy.uses_mass:
-            scores = self.store["scores"]
+            scores = self.slots.scores
             if self.policy.decay is not None and self.policy.decay < 1:
                 # the held tokens' mass fades per new query; the new mass is added as it came
                 scores.mul_(self.policy.decay ** self._pending)
@@ -401,7 +521,7 @@ class H2OLayer(CompressedLayer):
 
     # ---- eviction -----------------------------------------------------------------------------------------------
     def slot_view(self) -> SlotView:
-        s = self.store
+        s = self.slots
         uses_window = self.window > 0
         if uses_window and self.ring is None:
             raise RuntimeError(
@@ -413,64 +533,47 @@ class H2OLayer(CompressedLayer):
         window = None
         if uses_window:
             r = self.ring.last(self.window)
-            window = window_attention(r.queries, r.positions, r.valid, keys, s["positions"], s["valid"], r.scaling)
-        return SlotView(
-            s.get("scores"), s["positions"], s["valid"], seen=self.cumulative_length, keys=keys, window=window
-        )
+            window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling)
+        return SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, window=window)
 
     def evict(self) -> None:
         """Keep the policy's `budget` slots of every (row, KV head)."""
-        if not self.store:
+        if self.slots is None:
             return
         budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
         if self.options.head_budgets:
             keep = self.policy.select_across_heads(self.slot_view(), budget)
-            self._compact(keep if keep is not None else self.store["positions"] >= 0)
+            self._compact(keep if keep is not None else self.slots.positions >= 0)
             return
         if budget >= self.tokens_held():
             return
         keep = self.policy.select(self.slot_view(), budget)
-        if keep is None:
-            return
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            idx = keep if t.dim() == 3 else keep.unsqueeze(-1).expand(*keep.shape, t.shape[-1])
-            return t.gather(2, idx)
-
-        self._map_store(take)
+        if keep is not None:
+            self.slots = self.slots.select(keep)
 
     # ---- compact storage of ragged heads (head_budgets) -----------------------------------------------------------
     def _compact(self, keep: torch.Tensor) -> None:
-        """Keep the slots `keep [batch, kv_heads, slots]` (bool): every stored tensor becomes flat `[kept, ...]`, in
-        (row, head, position) order, with `self.counts [batch, kv_heads]`."""
+        """Keep the slots `keep [batch, kv_heads, slots]` (bool), flat (`H2OSlots.compact`), with
+        `self.counts [batch, kv_heads]`."""
         self.counts = keep.sum(-1)
-        self.store = {name: t[keep] for name, t in self.store.items()}
+        self.slots = self.slots.compact(keep)
 
     def _expand(self) -> None:
-        """Compact -> rectangular `[batch, kv_heads, M, ...]` (M: the largest count), each head's slots at the end,
-        the missing ones in front holding nothing (positions -1, valid False: the attention masks them per head)."""
-        if self.counts is None:
-            return
-        counts, self.counts = self.counts, None
-        m = int(counts.max()) if counts.numel() else 0
-        present = torch.arange(m, device=counts.device) >= (m - counts)[..., None]
-        store = {}
-        for name, t in self.store.items():
-            out = t.new_full((*counts.shape, m, *t.shape[1:]), -1 if name == "positions" else 0)
-            out[present] = t
-            store[name] = out
-        self.store = store
+        """Compact -> rectangular (`H2OSlots.expand`)."""
+        if self.counts is not None:
+            counts, self.counts = self.counts, None
+            self.slots = self.slots.expand(counts)
 
     def key_mask(self) -> torch.Tensor | None:
         """`[batch, kv_heads, slots]` bool for the keys the last `update` returned: False for the slots a head does not
         hold (and padding); the `"hf_kvcache"` attention masks them per head. None unless heads hold different
         counts (`head_budgets`)."""
-        return self.store["valid"] if self.options.head_budgets and self.counts is None and self.store else None
+        return self.slots.valid if self.options.head_budgets and self.counts is None and self.slots is not None else None
 
     def tokens_held(self) -> int:
         if self.counts is not None:
             return int(self.counts.max()) if self.counts.numel() else 0
-        return super().tokens_held()
+        return 0 if self.slots is None else self.slots.positions.shape[2]
 
     def fp16_bytes(self) -> int:
         if self.counts is None:
@@ -490,8 +593,8 @@ class H2OLayer(CompressedLayer):
         """Tokens evicted so far by the head that evicted most (the new tokens of a forward count as held)."""
         if self.counts is not None:
             held = int(self.counts.min()) if self.counts.numel() else 0
-        elif self.options.head_budgets and self.store:
-            held = int((self.store["positions"] >= 0).sum(-1).min())
+        elif self.options.head_budgets and self.slots is not None:
+            held = int((self.slots.positions >= 0).sum(-1).min())
         else:
             held = self.tokens_held()
         return self.cumulative_length - held
@@ -505,7 +608,7 @@ class H2OLayer(CompressedLayer):
         self._expand()
         op()
         if compact:
-            self._compact(self.store["positions"] >= 0)
+            self._compact(self.slots.positions >= 0)
         self._map_queries(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -536,7 +639,7 @@ class H2OLayer(CompressedLayer):
             self._undo_mass(keep)
         super()._crop_newest(n)
         if compact:
-            self._compact(self.store["positions"] >= 0)
+            self._compact(self.slots.positions >= 0)
         if self.ring is not None:  # queries of cropped positions go too
             self.ring = self.ring.before(keep)
 
@@ -568,22 +671,23 @@ class H2OLayer(CompressedLayer):
                 f"{self.crop_window} positions (reported by the 'hf_kvcache' attention, observe_queries) to take it "
                 f"out; build the cache with crop_window >= {seen - start}"
             )
-        s = self.store
-        att = ring.attention(self.held_keys(), s["positions"], s["valid"], start, seen)  # [b, h, seen - start, slots]
-        scores = s["scores"]
+        s = self.slots
+        att = ring.attention(self.held_keys(), s.positions, s.valid, start, seen)  # [b, h, seen - start, slots]
+        scores = s.scores
         if d is None:
-            scores -= att.sum(2)
+            self.slots = dataclasses.replace(s, scores=scores - att.sum(2))  # new tensors: a copy may share `s`
             return
         pos = range(start, seen)
         ends = torch.tensor([ring.forward_of(p)[1] for p in pos], dtype=torch.float32, device=att.device)
         cropped = torch.arange(start, seen, device=att.device) >= keep
         gone = (att * torch.where(cropped, d ** (seen - ends), 0.0)[:, None]).sum(2)
         kept = att[:, :, ~cropped].sum(2)
-        scores.sub_(gone + d ** (seen - part_end) * kept).div_(d**n).add_(kept)
+        self.slots = dataclasses.replace(s, scores=(scores - gone - d ** (seen - part_end) * kept) / d**n + kept)
 
     def reset(self) -> None:
         super().reset()
         self._pending = 0
+        self.slots = None
         self.counts = None
         self._clear_queries()
 
