@@ -324,7 +324,7 @@ def test_crop_takes_the_cropped_queries_out_of_the_importance():
     """A forward of 5 tokens cropped by 3 (assisted decoding rejecting candidates) leaves the page importance that a
     forward of the 2 kept tokens leaves: without the attention the cropped queries gave (kept per query and page for
     the last forward, counted in memory_stats) and without their observations, also of the cropped tokens of a page
-    cut by the crop. A crop reaching before the last forward raises."""
+    cut by the crop. After a crop reaching before the last forward, the next forward raises."""
     torch.manual_seed(0)
     model = LlamaForCausalLM(tiny_config(intermediate_size=64)).eval()
     model.set_attn_implementation("hf_kvcache")
@@ -346,9 +346,10 @@ def test_crop_takes_the_cropped_queries_out_of_the_importance():
         assert stats["full_bytes"] + stats["delta_bytes"] + stats["tail_bytes"] + stats["meta_bytes"] == stats["bytes"]
         assert all(lay.state_tensors()["query_mass"] is lay.query_mass for lay in cache.layers)
         model(ids[:, 12:13], past_key_values=cache)
+        cache.crop(-2)  # reaches before the last forward: the storage is cropped, the next forward raises
+        assert cache.get_seq_length() == 11
         with pytest.raises(ValueError, match="CPACCache cannot crop 2 token.*crop right after the forward"):
-            cache.crop(-2)
-        cache.crop(-1)
+            model(ids[:, 11:12], past_key_values=cache)
 
 
 def test_a_shallow_copy_crops_without_touching_the_original():

@@ -284,32 +284,41 @@ def test_crop_keeps_queries_only_while_it_can_be_needed(tiny_model):
         for cache in caches.values():
             model(ids, past_key_values=cache)
     layer = caches["h2o"].layers[0]
-    assert layer.queries.shape == (B, 4, 12, D) and layer.queries.dtype == torch.float32  # the model's dtype
-    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    assert layer.ring.queries.shape == (B, 4, 12, D) and layer.ring.queries.dtype == torch.float32  # the model's dtype
+    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
     assert layer.nbytes() == sum(t.nbytes for t in layer.slots.tensors()) + ring
     assert caches["all"].layers[0].ring is None and caches["recent"].layers[0].ring is None
 
 
-def test_crop_it_cannot_undo_is_a_clear_error(tiny_model):
+def test_crop_it_cannot_undo_stops_the_next_forward(tiny_model):
+    """A crop whose queries' mass the layer cannot take out of the scores still crops the storage (the prefix store
+    encodes such a cropped copy), and the next forward raises a ValueError naming the fix instead of evicting by
+    those scores."""
     model = tiny_model
     model.set_attn_implementation("hf_kvcache")
     ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(4))
+
+    def cropped(n, first=6, **options):
+        cache = H2OCache(config=model.config, budget=16, **options)
+        model(ids[:, :first], past_key_values=cache)
+        if first < 12:
+            model(ids[:, first:12], past_key_values=cache)
+        cache.crop(-n)
+        return cache
+
     with torch.inference_mode():
-        cache = H2OCache(config=model.config, budget=16, crop_window=4)
-        model(ids[:, :6], past_key_values=cache)
-        model(ids[:, 6:12], past_key_values=cache)
+        cache = cropped(5, crop_window=4)
+        assert cache.get_seq_length() == cache.tokens_held() == 7
         with pytest.raises(ValueError, match=r"positions 7 \.\. 11.*build the cache with crop_window >= 5"):
-            cache.crop(-5)
-        cache.crop(-4)  # within the window
+            model(ids[:, 7:8], past_key_values=cache)
+        model(ids[:, 8:9], past_key_values=cropped(4, crop_window=4))  # within the window: goes on
         # with decay a crop inside a forward needs that whole forward's queries (their mass is recomputed too)
-        faded = H2OCache(config=model.config, budget=16, decay=0.9, crop_window=4)
-        model(ids[:, :8], past_key_values=faded)
-        with pytest.raises(ValueError, match=r"positions 0 \.\. 7.*crop_window >= 8"):
-            faded.crop(-2)
-        quantized = H2OCache(config=model.config, budget=16, quant_bits=8)
-        model(ids[:, :8], past_key_values=quantized)
+        with pytest.raises(ValueError, match=r"positions 0 \.\. 11.*crop_window >= 12"):
+            model(ids[:, 10:11], past_key_values=cropped(2, first=12, decay=0.9, crop_window=4))
         with pytest.raises(ValueError, match="quant_bits=8 and policy='h2o'.*Use quant_bits=None"):
-            quantized.crop(-2)
+            model(ids[:, 10:11], past_key_values=cropped(2, quant_bits=8))
+        cache.reset()
+        model(ids[:, :4], past_key_values=cache)  # a reset cache is a fresh one
     with pytest.raises(ValueError, match="crop_window applies to the policies that accumulate"):
         H2OCache(config=model.config, policy="tova", crop_window=8)
     with pytest.raises(ValueError, match="crop_window must be a non-negative integer"):

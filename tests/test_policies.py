@@ -83,13 +83,13 @@ def test_attention_reports_the_last_queries(tiny_model):
     with torch.inference_mode():
         model(ids, attention_mask=am, past_key_values=cache)
         layer = cache.layers[1]
-        assert layer.queries.shape == (B, H * G, 4, D) and layer.query_positions.tolist() == [2, 3, 4, 5]
-        assert layer.query_valid.tolist() == [[True] * 4, [False, False, True, True]]
+        assert layer.ring.queries.shape == (B, H * G, 4, D) and layer.ring.positions.tolist() == [2, 3, 4, 5]
+        assert layer.ring.valid.tolist() == [[True] * 4, [False, False, True, True]]
         model(ids[:, :1], attention_mask=torch.cat([am, torch.ones(B, 1, dtype=torch.long)], 1), past_key_values=cache)
-        assert layer.query_positions.tolist() == [3, 4, 5, 6]
-        assert layer.query_valid.tolist() == [[True] * 4, [False, True, True, True]]
+        assert layer.ring.positions.tolist() == [3, 4, 5, 6]
+        assert layer.ring.valid.tolist() == [[True] * 4, [False, True, True, True]]
     # bytes of the ring are counted
-    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
     assert layer.nbytes() == sum(t.nbytes for t in layer.slots.tensors()) + ring
 
 
@@ -208,7 +208,7 @@ def test_quantized_storage_bytes_and_values(bits, group):
     layer = cache.layers[0]
     groups = D // (group or D)
     per_slot = 2 * (D * bits // 8 + 2 * 2 * groups) + 4 + 1  # codes + fp16 scale/zero, keys and values; pos, valid
-    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
     assert layer.nbytes() == B * H * 6 * per_slot + ring
     pos = kept(cache)
     mk, mv = layer.materialize()
@@ -281,13 +281,13 @@ def test_beam_reorder_moves_the_query_ring(tiny_model):
     with torch.inference_mode():
         model(torch.randint(0, 97, (B, 8), generator=torch.Generator().manual_seed(2)), past_key_values=cache)
     layer = cache.layers[0]
-    q = layer.queries.clone()
+    q = layer.ring.queries.clone()
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.queries, q.flip(0))
+    assert torch.equal(layer.ring.queries, q.flip(0))
     cache.batch_repeat_interleave(2)
-    assert layer.queries.shape[0] == 4 and layer.query_valid.shape[0] == 4
+    assert layer.ring.queries.shape[0] == 4 and layer.ring.valid.shape[0] == 4
     cache.reset()
-    assert layer.queries is None and cache.memory_stats()["bytes"] == 0
+    assert layer.ring is None and cache.memory_stats()["bytes"] == 0
 
 
 def test_pyramid_layer_budgets_shrink_storage_and_decode_equals_dense(tiny_model):
@@ -429,7 +429,7 @@ def test_head_budgets_ragged_heads_stored_compactly(tiny_model, policy):
     # flat storage: bytes are the kept slots only (keys + values fp32, positions, valid, scores for h2o)
     per_slot = 2 * D * 4 + 4 + 1 + (4 if policy == "h2o" else 0)
     store_bytes = sum(layer.counts.sum().item() * per_slot for layer in cache.layers)
-    ring = sum(sum(t.nbytes for t in (l.queries, l.query_positions, l.query_valid) if t is not None) + l.counts.nbytes
+    ring = sum(sum(t.nbytes for t in (l.ring.tensors() if l.ring is not None else [])) + l.counts.nbytes
                for l in cache.layers)
     assert cache.memory_stats()["bytes"] == store_bytes + ring
     # the stored keys are the model's keys at the kept positions, per head (compare with a dense run)

@@ -46,9 +46,10 @@ policies that accumulate mass (h2o, hybrid), a layer keeps until its first evict
 `crop_window` positions (32, in the model's dtype; counted in `memory_stats()`; none when the budget never evicts),
 from which `crop` recomputes the attention mass the cropped queries gave and takes it out of the scores (undoing the
 decay too). Window policies need nothing more: n cropped tokens mean n new ones before the next eviction, which
-refill their window. A crop it cannot undo raises a ValueError that says what to change: more tokens than
-`crop_window`, `quant_bits` with h2o / hybrid (the new keys those queries saw exactly are now stored quantized), and
-any crop once tokens were evicted (the state before the cropped tokens cannot be restored).
+refill their window. A crop whose mass it cannot take out -- more tokens than `crop_window`, or `quant_bits` with h2o
+/ hybrid (the new keys those queries saw exactly are now stored quantized) -- still crops the storage (the prefix
+store encodes cropped copies), and the next update raises a ValueError that says what to change. Any crop once
+tokens were evicted raises at once (the state before the cropped tokens cannot be restored).
 """
 
 from __future__ import annotations
@@ -106,8 +107,8 @@ class H2OOptions(CacheOptions):
     `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots.
     `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
     `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
-    scores (assisted decoding crops the rejected candidates); 0 keeps none (a crop then raises). Not kept when the
-    budget never evicts."""
+    scores (assisted decoding crops the rejected candidates); 0 keeps none (the next forward after a crop raises).
+    Not kept when the budget never evicts."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -339,6 +340,8 @@ class H2OLayer(CompressedLayer):
         self.slots: H2OSlots | None = None  # what the layer holds (None before the first update)
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
+        # why a crop left scores it could not correct (the next update raises it); None when they are right
+        self.stale_after_crop: str | None = None
         self._clear_queries()
 
     def _clear_queries(self) -> None:
@@ -361,21 +364,6 @@ class H2OLayer(CompressedLayer):
         b = self.options.budget
         return not (isinstance(b, float) and b * self.budget_scale >= 1.0)
 
-    @property
-    def queries(self) -> torch.Tensor | None:
-        """`[batch, heads, <= query_window, head_dim]` the queries of the ring (None before any)."""
-        return None if self.ring is None else self.ring.queries
-
-    @property
-    def query_positions(self) -> torch.Tensor | None:
-        """`[<= query_window]` int64 their positions."""
-        return None if self.ring is None else self.ring.positions
-
-    @property
-    def query_valid(self) -> torch.Tensor | None:
-        """`[batch, <= query_window]` bool: False for padding queries."""
-        return None if self.ring is None else self.ring.valid
-
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bits, group = self.options.quant_bits, self.options.quant_group_size
         if bits is not None:
@@ -395,6 +383,8 @@ class H2OLayer(CompressedLayer):
     def _begin_update(self) -> None:
         if self._pending:
             raise RuntimeError(MISSING_MASS.format(cls=type(self).__name__, policy=self.options.policy))
+        if self.stale_after_crop:
+            raise ValueError(self.stale_after_crop)
         self._expand()
 
     def _end_update(self, new_tokens: int) -> None:
@@ -656,21 +646,25 @@ class H2OLayer(CompressedLayer):
             part = ring.forward_of(keep - 1)
             if part is not None and part[1] > keep:
                 start, part_end = part
+        problem = None
         if self.quantized:
-            raise ValueError(
+            problem = (
                 f"H2OCache cannot crop {n} token(s) with quant_bits={self.options.quant_bits} and policy="
                 f"{self.options.policy!r}: its scores hold the attention mass the cropped queries gave, which can be "
                 "recomputed only from the keys those queries saw, now stored quantized. Use quant_bits=None, a "
                 "policy that keeps no mass (tova, snapkv, knorm, recent, sinks, strided) or budget=1.0 (nothing "
                 "evicted: the scores never matter)"
             )
-        if ring is None or not ring.covers(start, seen):
-            raise ValueError(
+        elif ring is None or not ring.covers(start, seen):
+            problem = (
                 f"H2OCache cannot crop {n} token(s): its scores hold the attention mass of the queries of positions "
                 f"{start} .. {seen - 1}, and this layer keeps the queries of only the last crop_window="
                 f"{self.crop_window} positions (reported by the 'hf_kvcache' attention, observe_queries) to take it "
                 f"out; build the cache with crop_window >= {seen - start}"
             )
+        if problem is not None:  # a copy cropped to be encoded (the prefix store) goes on; this layer may not
+            self.stale_after_crop = problem
+            return
         s = self.slots
         att = ring.attention(self.held_keys(), s.positions, s.valid, start, seen)  # [b, h, seen - start, slots]
         scores = s.scores
@@ -689,6 +683,7 @@ class H2OLayer(CompressedLayer):
         self._pending = 0
         self.slots = None
         self.counts = None
+        self.stale_after_crop = None
         self._clear_queries()
 
 

@@ -34,7 +34,8 @@ tail, a pool of full pages, a pool of quantized deltas, and each (row, head, pag
 `query_mass` [batch, heads, w, pages] fp32: the attention each of the last `w <= crop_window` queries of the last
 forward gave each page (the reported mass for one query, recomputed per query for several), from which `crop` takes
 what the cropped queries added out of the importance, so the cropped cache goes on as the one that never saw them
-(a crop reaching before the last forward raises a ValueError). Pools are
+(after a crop reaching before the last forward, the storage is cropped and the next forward raises a ValueError).
+Pools are
 shared by batch rows: beam reordering and `batch_repeat_interleave` remap slots and never copy a page. Every figure
 of `memory_stats` is a sum of `nbytes`.
 

@@ -91,6 +91,8 @@ class CPACLayer(CompressedLayer):
         self.query_mass: torch.Tensor | None = None  # [batch, heads, w, pages] fp32
         self.query_mass_positions: torch.Tensor | None = None  # [w] int64
         self._forward: dict | None = None  # this forward's keys and last queries, until its mass arrives
+        # why a crop left an importance it could not correct (the next update raises it); None when it is right
+        self.stale_after_crop: str | None = None
 
     @property
     def query_window(self) -> int:
@@ -171,6 +173,8 @@ class CPACLayer(CompressedLayer):
     # ---- update / attention mass --------------------------------------------------------------------------------
     def _begin_update(self) -> None:
         self._forward = None
+        if self.stale_after_crop:
+            raise ValueError(self.stale_after_crop)
         if self._pending:  # the attention after the last update reported no mass: rank without it from now on
             self._pending = False
             self._mass_mode = False
@@ -426,13 +430,15 @@ class CPACLayer(CompressedLayer):
         held, n, p = self.tokens_held(), self.tokens_held() - keep, self.options.page_size
         pos = self.query_mass_positions
         if pos is None or int(((pos >= keep) & (pos < held)).sum()) != n:
-            raise ValueError(
+            # a copy cropped to be encoded (the prefix store) goes on; this layer may not
+            self.stale_after_crop = (
                 f"CPACCache cannot crop {n} token(s): the page importance holds the attention their queries gave, and "
                 f"this layer keeps that attention per query only for the last {self.options.crop_window} queries "
                 "(crop_window) of the last forward, when the 'hf_kvcache' attention reported them; crop right after "
                 "the forward that brought the tokens (as assisted decoding does), or build the cache with "
                 f"crop_window >= {n}"
             )
+            return
         pages = self.imp_obs.shape[0]
         self.imp_mass = self.imp_mass - self.query_mass[:, :, pos >= keep].sum(2)[..., :pages]
         t = torch.arange(pages * p, device=pos.device)

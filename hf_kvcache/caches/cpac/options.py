@@ -40,9 +40,10 @@ class CPACOptions(CacheOptions):
     `pressure`, `features` + `n_dct` (see `hf_kvcache.caches.cpac.features`), `protect_importance` (pages whose
     importance reaches it stay raw; None: no protection), `importance_weighting` (the `1 - |imp_a - imp_b|` factor),
     `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
-    `crop_window` (not in the paper): queries of the last positions a layer keeps (while attention mass arrives) so
-    that `crop` of up to that many tokens takes the attention they gave out of the page importance (default 32;
-    0: none, and a crop after attention mass was observed raises).
+    `crop_window` (not in the paper): a layer keeps (while attention mass arrives) the attention each of the last
+    `crop_window` queries of the last forward gave each page, so that `crop` of up to that many tokens right after
+    their forward takes it out of the page importance (default 32; 0: none, and the next forward after a crop
+    raises).
 
     Variants (not in the paper, to see what matters): `delta_asymmetric` (deltas quantized with a zero point, an fp16
     minimum per scale group, instead of symmetrically); `similarity_on` -- "joint" (keys and values of a page decide
