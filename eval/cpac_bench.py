@@ -37,6 +37,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_kvcache.caches.cpac import CPACCache, CPACLayer, CPACOptions
+from hf_kvcache.caches.h2o import H2OLayer
 from hf_kvcache.registry import build_cache, cache_names
 
 from .assets import load_model, load_text, load_tokens
@@ -148,8 +149,8 @@ def h2o_bytes_per_token(model, ids, chunk: int) -> float:
     budget = 64
     cache = build_cache("h2o", model.config, budget=budget)
     streaming_perplexity(model, ids[:, :256], cache, chunk)
-    layers = [layer for layer in cache.layers if hasattr(layer, "store") and layer.store]
-    heads = layers[0].store["keys"].shape[1]
+    layers = [layer for layer in cache.layers if isinstance(layer, H2OLayer) and layer.slots is not None]
+    heads = layers[0].num_heads
     return cache.memory_stats()["bytes"] / (budget * len(layers) * heads)
 
 

@@ -208,20 +208,10 @@ def test_crop_equals_a_cache_that_never_saw_the_cropped_tokens(smol, ids_of, nam
     assert stats(cache) == stats(never) and cache.get_seq_length() == P + 3 and stats(cache)["ratio"] > 1
 
 
-_MASS_REASON = (
-    "{}: attention mass that the cropped tokens' queries gave the kept tokens stays in the statistics after crop "
-    "({}), so later {} decisions differ from those of a cache that never saw the cropped tokens"
-)
-
-
 @torch.no_grad()
 @pytest.mark.parametrize("name,options", [
-    pytest.param("h2o", {"budget": 40}, marks=pytest.mark.xfail(strict=True, reason=_MASS_REASON.format(
-        "H2OLayer.crop (caches/h2o.py) keeps store['scores']; documented in the module docstring",
-        "scores", "eviction"))),
-    pytest.param("cpac", {"page_size": 8, "recent_pages": 1}, marks=pytest.mark.xfail(strict=True, reason=(
-        _MASS_REASON.format("CPACLayer._crop_newest slices imp_mass / imp_obs to the kept pages without removing what "
-                            "observe_attention added for the cropped queries", "page importance", "compression")))),
+    pytest.param("h2o", {"budget": 40}),
+    pytest.param("cpac", {"page_size": 8, "recent_pages": 1}),
 ])
 def test_after_a_crop_later_decisions_ignore_the_cropped_queries(smol, ids_of, name, options):
     """The cache that crops with nothing evicted yet must go on as the cache that never saw the cropped tokens, also

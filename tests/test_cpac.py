@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvcache
 from hf_kvcache import CPACCache
@@ -25,15 +25,20 @@ def tiny_config(**kw):
 
 
 def feed(cache, chunks, seed=0, mass=None):
-    """Update every layer chunk by chunk; report attention mass when `mass(n_keys)` is given. Returns all K, V."""
+    """Update every layer chunk by chunk; report the last queries and the attention mass when `mass(n_keys)` is
+    given, as the 'hf_kvcache' attention does. Returns all K, V."""
     g = torch.Generator().manual_seed(seed)
     ks, vs = [], []
     for n in chunks:
         k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+        q = torch.randn(B, 2 * H, n, D, generator=g)
         for i in range(LAYERS):
             keys, _ = cache.update(k, v, i)
             if mass is not None:
-                cache.layers[i].observe_attention(mass(keys.shape[2]))
+                layer = cache.layers[i]
+                if layer.query_window:
+                    layer.observe_queries(q[:, :, -layer.query_window:], D**-0.5)
+                layer.observe_attention(mass(keys.shape[2]))
         ks.append(k)
         vs.append(v)
     return torch.cat(ks, 2), torch.cat(vs, 2)
@@ -165,7 +170,9 @@ def test_derotated_keys_roundtrip():
 
 # ---- bytes, pressure, importance -------------------------------------------------------------------------------------
 def test_bytes_are_sum_of_nbytes_and_storage_shrinks():
-    cache = CPACCache(config=tiny_config(), page_size=8, recent_pages=1, **ALL_DELTA)
+    # crop_window=0: the query ring kept for crop (32 queries of 6 heads, half the fp16 size of these 64 tokens) is
+    # counted in test_crop_takes_the_cropped_queries_out_of_the_importance
+    cache = CPACCache(config=tiny_config(), page_size=8, recent_pages=1, crop_window=0, **ALL_DELTA)
     feed(cache, [64], mass=uniform_mass)
     stats = cache.memory_stats()
     held = sum(t.nbytes for layer in cache.layers for t in layer.held_tensors())
@@ -311,6 +318,38 @@ def test_crop_into_compressed_pages():
         cache.crop(-50)
     cache.reset()
     assert cache.get_seq_length() == 0 and cache.memory_stats()["bytes"] == 0
+
+
+def test_crop_takes_the_cropped_queries_out_of_the_importance():
+    """A forward of 5 tokens cropped by 3 (assisted decoding rejecting candidates) leaves the page importance that a
+    forward of the 2 kept tokens leaves: without the attention the cropped queries gave (kept per query and page for
+    the last forward, counted in memory_stats) and without their observations, also of the cropped tokens of a page
+    cut by the crop. After a crop reaching before the last forward, the next forward raises."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_config(intermediate_size=64)).eval()
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 128, (B, 16), generator=torch.Generator().manual_seed(1))
+    cache = CPACCache(config=model.config, page_size=4, recent_pages=1)
+    with torch.inference_mode():
+        model(ids[:, :10], past_key_values=cache)
+        never = copy.deepcopy(cache)
+        model(ids[:, 10:15], past_key_values=cache)
+        cache.crop(-3)
+        model(ids[:, 10:12], past_key_values=never)
+        for a, b in zip(cache.layers, never.layers):
+            torch.testing.assert_close(a.imp_mass, b.imp_mass, atol=1e-5, rtol=0)
+            assert torch.equal(a.imp_obs, b.imp_obs) and torch.equal(a.query_mass_positions, b.query_mass_positions)
+        layer = cache.layers[0]
+        assert layer.query_mass.shape == (B, H, 2, 3)  # the 2 kept queries of the last forward, 3 pages
+        stats = cache.memory_stats()
+        assert stats["bytes"] == sum(t.nbytes for lay in cache.layers for t in lay.held_tensors())
+        assert stats["full_bytes"] + stats["delta_bytes"] + stats["tail_bytes"] + stats["meta_bytes"] == stats["bytes"]
+        assert all(lay.state_tensors()["query_mass"] is lay.query_mass for lay in cache.layers)
+        model(ids[:, 12:13], past_key_values=cache)
+        cache.crop(-2)  # reaches before the last forward: the storage is cropped, the next forward raises
+        assert cache.get_seq_length() == 11
+        with pytest.raises(ValueError, match="CPACCache cannot crop 2 token.*crop right after the forward"):
+            model(ids[:, 11:12], past_key_values=cache)
 
 
 def test_a_shallow_copy_crops_without_touching_the_original():

@@ -1,5 +1,7 @@
 """H2OCache: eviction policies, per-head selection, positions and masks after eviction, padding, beams, crop."""
 
+import copy
+
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -34,7 +36,7 @@ def step(cache, n, mass=None, visible=None, seed=0):
 
 
 def kept_positions(cache, layer=0):
-    return cache.layers[layer].store["positions"].long()
+    return cache.layers[layer].held_positions()
 
 
 # ---- options ------------------------------------------------------------------------------------------------------
@@ -97,8 +99,9 @@ def test_each_kv_head_keeps_its_own_heavy_hitters():
     layer = cache.layers[1]
     for h in range(H):  # the stored keys/values are the tokens at those positions, for that head
         idx = pos[1, h]
-        assert torch.equal(layer.store["keys"][1, h], k[1, h, idx])
-        assert torch.equal(layer.store["values"][1, h], v[1, h, idx])
+        keys, values = layer.held_keys_values()
+        assert torch.equal(keys[1, h], k[1, h, idx])
+        assert torch.equal(values[1, h], v[1, h, idx])
 
 
 def test_scores_accumulate_across_steps():
@@ -107,7 +110,7 @@ def test_scores_accumulate_across_steps():
     step(cache, 1, mass=lambda n: torch.tensor([0.0, 0.6, 0.0, 0.2]).expand(B, H, n).clone())
     # totals: pos0 1.0, pos1 0.6, pos2 0.5, pos3 0.2 -> keep 0, 1, 2
     assert kept_positions(cache)[0, 0].tolist() == [0, 1, 2]
-    assert torch.allclose(cache.layers[0].store["scores"][0, 0], torch.tensor([1.0, 0.6, 0.5]))
+    assert torch.allclose(cache.layers[0].held_scores()[0, 0], torch.tensor([1.0, 0.6, 0.5]))
 
 
 @pytest.mark.parametrize(
@@ -149,12 +152,12 @@ def test_padding_is_evicted_first_and_never_a_sink():
     pos = kept_positions(cache)
     assert pos[0, 0].tolist() == [0, 1, 2, 6, 7]
     assert pos[1, 0].tolist()[:2] == [3, 4] and pos[1, 0].tolist()[-2:] == [6, 7]  # sinks are the first real tokens
-    assert cache.layers[0].store["valid"].all()
+    assert cache.layers[0].held_valid().all()
     # a budget larger than the real tokens keeps all of them, padding first, still flagged
     cache = H2OCache(config=tiny_config(), budget=6, policy="recent")
     step(cache, 8, visible=visible)
     assert kept_positions(cache)[1, 0].tolist()[1:] == [3, 4, 5, 6, 7]
-    assert cache.layers[0].store["valid"][1, 0].tolist() == [False] + [True] * 5
+    assert cache.layers[0].held_valid()[1, 0].tolist() == [False] + [True] * 5
 
 
 def test_mask_after_eviction_is_causal_over_held_and_new():
@@ -174,7 +177,7 @@ def test_mask_after_eviction_is_causal_over_held_and_new():
     assert mask[0, 0, :, :held].all() and torch.equal(mask[0, 0, :, held:], new)
     assert torch.equal(mask[1, 0, :, :held], torch.tensor([[False] * 3 + [True] * 3] * q))
     assert torch.equal(mask[1, 0, :, held:], new)
-    valid = cache.layers[0].store["valid"][1]
+    valid = cache.layers[0].held_valid()[1]
     assert torch.equal(mask[1, 0, 0, :held], valid[0]) and torch.equal(valid[0], valid[1])
 
 
@@ -212,8 +215,8 @@ def test_forward_after_eviction_equals_dense_attention_over_kept_tokens(tiny_mod
         assert cache.tokens_held() == 9 and cache.get_seq_length() == 24
         dense = DynamicCache(config=model.config)
         for i, layer in enumerate(cache.layers):
-            dense.update(layer.store["keys"].clone(), layer.store["values"].clone(), i)
-        valid = cache.layers[0].store["valid"][:, 0].long()
+            dense.update(*(t.clone() for t in layer.held_keys_values()), i)
+        valid = cache.layers[0].held_valid()[:, 0].long()
         pos_ids = positions[:, 24:]
         out = model(ids[:, 24:], attention_mask=am, past_key_values=cache, position_ids=pos_ids).logits
         ref_mask = torch.cat([valid, am[:, 24:]], 1)
@@ -230,6 +233,96 @@ def test_plain_sdpa_model_gets_a_clear_error(tiny_model):
         model(ids, past_key_values=cache)
         with pytest.raises(RuntimeError, match="only the 'hf_kvcache' attention reports"):
             model(ids[:, :1], past_key_values=cache)
+
+
+# ---- crop before eviction ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "options",
+    [dict(policy="h2o"), dict(policy="h2o", decay=0.8), dict(policy="hybrid", sink_length=2),
+     dict(policy="h2o", head_budgets=True), dict(policy="snapkv", window=8)],
+    ids=["h2o", "h2o-decay", "hybrid", "head-budgets", "snapkv"],
+)
+def test_crop_leaves_the_cache_that_never_saw_the_cropped_tokens(tiny_model, options):
+    """A forward of 5 tokens cropped by 3 (assisted decoding rejecting candidates) before anything was evicted must
+    leave the cache that a forward of the 2 kept tokens leaves: the same scores (without the mass the cropped
+    queries gave, which made the four mass cases evict other tokens), then the same evictions and logits once the
+    budget is reached. snapkv keeps nothing more for crop: the 3 tokens to come before any eviction refill its
+    window."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 30), generator=torch.Generator().manual_seed(2))
+    cache = H2OCache(config=model.config, budget=16, **options)
+    with torch.inference_mode():
+        model(ids[:, :10], past_key_values=cache)
+        never = copy.deepcopy(cache)
+        model(ids[:, 10:15], past_key_values=cache)  # 15 tokens held: nothing evicted yet
+        cache.crop(-3)
+        model(ids[:, 10:12], past_key_values=never)
+        assert cache.get_seq_length() == never.get_seq_length() == 12
+        if never.layers[0].held_scores() is not None:
+            for a, b in zip(cache.layers, never.layers):
+                torch.testing.assert_close(a.held_scores(), b.held_scores(), atol=1e-5, rtol=0)
+        for start, end in ((12, 13), (13, 20), (20, 21)):  # the budget is reached at 17 tokens
+            got = model(ids[:, start:end], past_key_values=cache).logits
+            want = model(ids[:, start:end], past_key_values=never).logits
+            for a, b in zip(cache.layers, never.layers):
+                assert torch.equal(a.held_positions(), b.held_positions())
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    layer = cache.layers[0]  # the queries kept for crop go with the first eviction (window policies keep theirs)
+    assert layer.evicted() > 0 and (layer.ring is None) == (layer.window == 0)
+
+
+def test_crop_keeps_queries_only_while_it_can_be_needed(tiny_model):
+    """The queries kept for crop count in memory_stats, go with the first eviction, and are never kept when the
+    budget never evicts (budget=1.0) or by policies that accumulate no mass."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(3))
+    caches = {name: H2OCache(config=model.config, **kw) for name, kw in
+              (("h2o", dict(budget=16)), ("all", dict(budget=1.0)), ("recent", dict(budget=16, policy="recent")))}
+    with torch.inference_mode():
+        for cache in caches.values():
+            model(ids, past_key_values=cache)
+    layer = caches["h2o"].layers[0]
+    assert layer.ring.queries.shape == (B, 4, 12, D) and layer.ring.queries.dtype == torch.float32  # the model's dtype
+    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
+    assert layer.nbytes() == sum(t.nbytes for t in layer.slots.tensors()) + ring
+    assert caches["all"].layers[0].ring is None and caches["recent"].layers[0].ring is None
+
+
+def test_crop_it_cannot_undo_stops_the_next_forward(tiny_model):
+    """A crop whose queries' mass the layer cannot take out of the scores still crops the storage (the prefix store
+    encodes such a cropped copy), and the next forward raises a ValueError naming the fix instead of evicting by
+    those scores."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(4))
+
+    def cropped(n, first=6, **options):
+        cache = H2OCache(config=model.config, budget=16, **options)
+        model(ids[:, :first], past_key_values=cache)
+        if first < 12:
+            model(ids[:, first:12], past_key_values=cache)
+        cache.crop(-n)
+        return cache
+
+    with torch.inference_mode():
+        cache = cropped(5, crop_window=4)
+        assert cache.get_seq_length() == cache.tokens_held() == 7
+        with pytest.raises(ValueError, match=r"positions 7 \.\. 11.*build the cache with crop_window >= 5"):
+            model(ids[:, 7:8], past_key_values=cache)
+        model(ids[:, 8:9], past_key_values=cropped(4, crop_window=4))  # within the window: goes on
+        # with decay a crop inside a forward needs that whole forward's queries (their mass is recomputed too)
+        with pytest.raises(ValueError, match=r"positions 0 \.\. 11.*crop_window >= 12"):
+            model(ids[:, 10:11], past_key_values=cropped(2, first=12, decay=0.9, crop_window=4))
+        with pytest.raises(ValueError, match="quant_bits=8 and policy='h2o'.*Use quant_bits=None"):
+            model(ids[:, 10:11], past_key_values=cropped(2, quant_bits=8))
+        cache.reset()
+        model(ids[:, :4], past_key_values=cache)  # a reset cache is a fresh one
+    with pytest.raises(ValueError, match="crop_window applies to the policies that accumulate"):
+        H2OCache(config=model.config, policy="tova", crop_window=8)
+    with pytest.raises(ValueError, match="crop_window must be a non-negative integer"):
+        H2OCache(config=model.config, crop_window=-1)
 
 
 # ---- the real model -------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from hf_kvcache.policy import POLICIES, SlotView
 from hf_kvcache import attention as attn
 from hf_kvcache.caches.base import LAYER_ATTR, CompressedLayer
 from hf_kvcache.policy.base import window_attention
+from hf_kvcache.quant.kivi import KIVIQuantized
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
 
@@ -37,7 +38,7 @@ def feed(cache, k, v, q=None, mass=None, visible=None, scaling=1.0):
 
 
 def kept(cache, layer=0):
-    return cache.layers[layer].store["positions"].long()
+    return cache.layers[layer].held_positions()
 
 
 def one_hot_keys(n, scale=1.0):
@@ -82,14 +83,14 @@ def test_attention_reports_the_last_queries(tiny_model):
     with torch.inference_mode():
         model(ids, attention_mask=am, past_key_values=cache)
         layer = cache.layers[1]
-        assert layer.queries.shape == (B, H * G, 4, D) and layer.query_positions.tolist() == [2, 3, 4, 5]
-        assert layer.query_valid.tolist() == [[True] * 4, [False, False, True, True]]
+        assert layer.ring.queries.shape == (B, H * G, 4, D) and layer.ring.positions.tolist() == [2, 3, 4, 5]
+        assert layer.ring.valid.tolist() == [[True] * 4, [False, False, True, True]]
         model(ids[:, :1], attention_mask=torch.cat([am, torch.ones(B, 1, dtype=torch.long)], 1), past_key_values=cache)
-        assert layer.query_positions.tolist() == [3, 4, 5, 6]
-        assert layer.query_valid.tolist() == [[True] * 4, [False, True, True, True]]
+        assert layer.ring.positions.tolist() == [3, 4, 5, 6]
+        assert layer.ring.valid.tolist() == [[True] * 4, [False, True, True, True]]
     # bytes of the ring are counted
-    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
-    assert layer.nbytes() == sum(t.nbytes for t in layer.store.values()) + ring
+    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
+    assert layer.nbytes() == sum(t.nbytes for t in layer.slots.tensors()) + ring
 
 
 # ---- each policy ------------------------------------------------------------------------------------------------
@@ -101,7 +102,7 @@ def test_tova_keeps_what_the_newest_query_attends():
     q[:, :, :-1, [0, 2, 3]] = 20.0
     feed(cache, k, k, q=q)
     assert kept(cache)[0, 0].tolist() == [1, 4, 6] and kept(cache, 1)[1, 1].tolist() == [1, 4, 6]
-    assert "scores" not in cache.layers[0].store  # no accumulated mass stored for window policies
+    assert cache.layers[0].held_scores() is None  # no accumulated mass stored for window policies
 
 
 def test_snapkv_window_pooling_and_protected_window():
@@ -156,7 +157,7 @@ def test_h2o_decay_fades_old_mass():
             feed(cache, k[:, :, :1], k[:, :, :1], mass=lambda n: torch.tensor([0.0] * (n - 1) + [0.2]).expand(B, H, n).clone())
     assert 0 in kept(plain)[0, 0].tolist()
     assert 0 not in kept(faded)[0, 0].tolist()
-    assert torch.allclose(faded.layers[0].store["scores"][0, 0].max(), torch.tensor(0.2))
+    assert torch.allclose(faded.layers[0].held_scores()[0, 0].max(), torch.tensor(0.2))
 
 
 # ---- options and budgets -------------------------------------------------------------------------------------------
@@ -207,7 +208,7 @@ def test_quantized_storage_bytes_and_values(bits, group):
     layer = cache.layers[0]
     groups = D // (group or D)
     per_slot = 2 * (D * bits // 8 + 2 * 2 * groups) + 4 + 1  # codes + fp16 scale/zero, keys and values; pos, valid
-    ring = layer.queries.nbytes + layer.query_positions.nbytes + layer.query_valid.nbytes
+    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
     assert layer.nbytes() == B * H * 6 * per_slot + ring
     pos = kept(cache)
     mk, mv = layer.materialize()
@@ -263,14 +264,14 @@ def test_padded_batch_prefill_then_decode_equals_dense_over_kept(tiny_model, opt
             for i, layer in enumerate(cache.layers):
                 k, v = layer.materialize()
                 dense.update(k.clone(), v.clone(), i)
-            valid = cache.layers[0].store["valid"][:, 0].long()
+            valid = cache.layers[0].held_valid()[:, 0].long()
             sl = slice(t, t + 1)
             out = model(ids[:, sl], attention_mask=am[:, : t + 1], past_key_values=cache,
                         position_ids=positions[:, sl]).logits
             ref = model(ids[:, sl], attention_mask=torch.cat([valid, am[:, sl]], 1), past_key_values=dense,
                         position_ids=positions[:, sl]).logits
             torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    assert cache.layers[0].store["valid"][1].all()  # padding went first
+    assert cache.layers[0].held_valid()[1].all()  # padding went first
 
 
 def test_beam_reorder_moves_the_query_ring(tiny_model):
@@ -280,13 +281,13 @@ def test_beam_reorder_moves_the_query_ring(tiny_model):
     with torch.inference_mode():
         model(torch.randint(0, 97, (B, 8), generator=torch.Generator().manual_seed(2)), past_key_values=cache)
     layer = cache.layers[0]
-    q = layer.queries.clone()
+    q = layer.ring.queries.clone()
     cache.reorder_cache(torch.tensor([1, 0]))
-    assert torch.equal(layer.queries, q.flip(0))
+    assert torch.equal(layer.ring.queries, q.flip(0))
     cache.batch_repeat_interleave(2)
-    assert layer.queries.shape[0] == 4 and layer.query_valid.shape[0] == 4
+    assert layer.ring.queries.shape[0] == 4 and layer.ring.valid.shape[0] == 4
     cache.reset()
-    assert layer.queries is None and cache.memory_stats()["bytes"] == 0
+    assert layer.ring is None and cache.memory_stats()["bytes"] == 0
 
 
 def test_pyramid_layer_budgets_shrink_storage_and_decode_equals_dense(tiny_model):
@@ -396,13 +397,12 @@ def test_head_budgets_with_quant_bits_and_pyramid():
     q[:, :G, -1] = k[:, 0, -1] * 30  # KV head 0: its query heads attend one token; head 1's see a spread
     feed(cache, k, k, q=q)
     layer = cache.layers[0]
-    assert layer.counts.sum(-1).tolist() == [2 * 6] * B and "key_codes" in layer.store
-    assert layer.store["key_codes"].dim() == 2  # flat [kept, packed]
+    assert layer.counts.sum(-1).tolist() == [2 * 6] * B and isinstance(layer.slots.keys, KIVIQuantized)
+    assert layer.slots.keys.codes.dim() == 2  # flat [kept, packed]
     assert cache.layers[1].counts.sum(-1).tolist() == [2 * 2] * B  # pyramid: 6 and 2 tokens per head on average
-    layer._expand()
-    keys, _ = layer.materialize()
-    held = layer.store["positions"] >= 0
-    ref = k.gather(2, layer.store["positions"].clamp(min=0).long().unsqueeze(-1).expand(-1, -1, -1, D))
+    keys, _ = layer.held_keys_values()
+    held = layer.held_positions() >= 0
+    ref = k.gather(2, layer.held_positions().clamp(min=0).unsqueeze(-1).expand(-1, -1, -1, D))
     assert (keys - ref)[held].abs().max() < 0.5
 
 
@@ -429,7 +429,7 @@ def test_head_budgets_ragged_heads_stored_compactly(tiny_model, policy):
     # flat storage: bytes are the kept slots only (keys + values fp32, positions, valid, scores for h2o)
     per_slot = 2 * D * 4 + 4 + 1 + (4 if policy == "h2o" else 0)
     store_bytes = sum(layer.counts.sum().item() * per_slot for layer in cache.layers)
-    ring = sum(sum(t.nbytes for t in (l.queries, l.query_positions, l.query_valid) if t is not None) + l.counts.nbytes
+    ring = sum(sum(t.nbytes for t in (l.ring.tensors() if l.ring is not None else [])) + l.counts.nbytes
                for l in cache.layers)
     assert cache.memory_stats()["bytes"] == store_bytes + ring
     # the stored keys are the model's keys at the kept positions, per head (compare with a dense run)
@@ -437,14 +437,14 @@ def test_head_budgets_ragged_heads_stored_compactly(tiny_model, policy):
     with torch.inference_mode():
         model(ids, attention_mask=am, past_key_values=dense, position_ids=positions)
     layer = cache.layers[0]  # the first layer's keys do not depend on what was evicted
-    layer._expand()
+    keys, _ = layer.held_keys_values()  # rectangular views: the storage stays compact
     for row in range(B):
         for h in range(H):
-            pos = layer.store["positions"][row, h]
+            pos = layer.held_positions()[row, h]
             held = pos >= 0
             assert held.sum() == counts[0, row, h]
-            torch.testing.assert_close(layer.store["keys"][row, h, held], dense.layers[0].keys[row, h, pos[held].long()])
-    layer._compact(layer.store["positions"] >= 0)
+            torch.testing.assert_close(keys[row, h, held], dense.layers[0].keys[row, h, pos[held]])
+    assert layer.counts is not None and layer.slots.positions.dim() == 1
     # beams: reorder / repeat keep the compact storage consistent
     cache.batch_repeat_interleave(2)
     assert cache.layers[0].counts.shape == (2 * B, H)
@@ -465,7 +465,7 @@ def test_generate_with_quant_bits_by_name(smol, pydoc_text):
                              return_dict_in_generate=True)
         cache = out.past_key_values
         assert isinstance(cache, H2OCache) and cache.get_seq_length() == 85
-        assert cache.tokens_held() == 34 and "key_codes" in cache.layers[0].store
+        assert cache.tokens_held() == 34 and isinstance(cache.layers[0].slots.keys, KIVIQuantized)
         assert cache.memory_stats()["ratio"] > 5
     finally:
         model.set_attn_implementation("sdpa")

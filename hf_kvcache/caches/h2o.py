@@ -4,10 +4,11 @@ hybrid -- optionally storing the kept tokens quantized.
     cache = H2OCache(config=model.config, budget=0.2, policy="snapkv")      # keep 20 % of the tokens seen
     model.generate(ids, cache_implementation="h2o", cache_config={"budget": 256, "policy": "tova", "quant_bits": 4})
 
-Storage (per layer, `self.store`, every tensor `[batch, kv_heads, kept, ...]`): `keys`/`values [.., head_dim]` in the
-model's dtype, or with `quant_bits` their KIVI-style codes (`key_codes`/`value_codes`, packed along head_dim) and
-per-token fp16 `*_scale`/`*_zero [.., groups]`; `scores` (float32 attention mass received so far; only for policies
-that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Each KV head keeps its
+Storage (per layer, `layer.slots`, an `H2OSlots`; every tensor `[batch, kv_heads, kept, ...]`): `keys`/`values [..,
+head_dim]` in the model's dtype, or with `quant_bits` their KIVI-style codes (`KIVIQuantized`: codes packed along
+head_dim, per-token fp16 scale / zero `[.., groups]`); `scores` (float32 attention mass received so far; only for
+policies that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Read them with
+`held_positions()`, `held_valid()`, `held_scores()`, `held_keys_values()` (rectangular also while compact). Each KV head keeps its
 own tokens, the same count for every head and row so the tensors stay rectangular; within a head the kept slots stay
 in order of position. Window policies (tova, snapkv) also hold the queries of the last `window` positions (`queries
 [batch, heads, W, head_dim]` in 16 bits, their positions and padding flags): from them the layer recomputes, at each
@@ -16,7 +17,7 @@ several decoding steps alike. Every tensor counts in `memory_stats()`.
 
 Data flow of one forward: `update` appends the new tokens (quantized when `quant_bits` is set; attention then sees the
 held tokens dequantized and the new ones exact) and returns everything held; the `"hf_kvcache"` attention reports the
-last queries (`observe_queries`, window policies only), which keys the mask lets any query see
+last queries (`observe_queries`: window policies, and h2o / hybrid until they evict, for `crop`), which keys the mask lets any query see
 (`observe_visible_keys`) and the attention mass each key received, summed over the query heads of its group and over
 the queries (`observe_attention`, computed chunk by chunk for long prompts); the layer adds the mass to the scores
 (fading them by `decay` first) and evicts down to the budget with its policy (`hf_kvcache.policy`). Between two
@@ -40,25 +41,35 @@ Every policy needs the `"hf_kvcache"` attention (for the scores, and for the pad
 attention implementation the next `update` raises an error that says what to set; `generate(cache_implementation=
 "h2o")` switches the model by itself (`needs_attention_mass`).
 
-`crop` works while nothing was evicted yet (the scores then keep the mass the cropped queries gave); once tokens were
-evicted it raises, since the state before the cropped tokens cannot be restored.
+`crop` works while nothing was evicted yet, and leaves the layer the one that never saw the cropped tokens. With the
+policies that accumulate mass (h2o, hybrid), a layer keeps until its first eviction the queries of the last
+`crop_window` positions (32, in the model's dtype; counted in `memory_stats()`; none when the budget never evicts),
+from which `crop` recomputes the attention mass the cropped queries gave and takes it out of the scores (undoing the
+decay too). Window policies need nothing more: n cropped tokens mean n new ones before the next eviction, which
+refill their window. A crop whose mass it cannot take out -- more tokens than `crop_window`, or `quant_bits` with h2o
+/ hybrid (the new keys those queries saw exactly are now stored quantized) -- still crops the storage (the prefix
+store encodes cropped copies), and the next update raises a ValueError that says what to change. Any crop once
+tokens were evicted raises at once (the state before the cropped tokens cannot be restored).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, Union
 
 import torch
 
 from ..options import CacheOptions, check_choice, check_int, check_number, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention
+from ..policy.ring import QueryRing
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
 from .base import FP16_BYTES, CompressedCache, CompressedLayer
 
 DEFAULT_SINK_LENGTH = 4
+DEFAULT_CROP_WINDOW = 32  # queries kept so that `crop` can undo what they did (see H2OOptions.crop_window)
 SPLIT_OPTIONS = ("recent_length", "recent_ratio", "heavy_length", "heavy_ratio")
 
 MISSING_MASS = (
@@ -93,7 +104,11 @@ class H2OOptions(CacheOptions):
     (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
     `head_budgets`: per-head budgets inside a layer (Ada-KV): the layer keeps `budget x kv_heads` slots per row, shared
     by the heads by score (each head keeps at least a fifth of the budget), stored compactly between forwards (a flat
-    `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots."""
+    `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots.
+    `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
+    `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
+    scores (assisted decoding crops the rejected candidates); 0 keeps none (the next forward after a crop raises).
+    Not kept when the budget never evicts."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -110,6 +125,7 @@ class H2OOptions(CacheOptions):
     pyramid: float | None = None
     min_budget: int | None = None
     head_budgets: bool = False
+    crop_window: int | None = None
 
     def validate(self) -> None:
         check_choice("policy", self.policy, tuple(POLICIES))
@@ -171,6 +187,10 @@ class H2OOptions(CacheOptions):
             if self.quant_bits is None:
                 raise ValueError("quant_group_size applies when quant_bits is set (8, 4 or 2)")
             check_positive_int("quant_group_size", self.quant_group_size)
+        check_int("crop_window", self.crop_window, lo=0, allow_none=True, hint=" (queries kept so that crop can undo them)")
+        if self.crop_window is not None and not policy.uses_mass:
+            raise ValueError(f"crop_window applies to the policies that accumulate attention mass (h2o, hybrid), not "
+                             f"{self.policy!r}")
         if not isinstance(self.head_budgets, bool):
             raise ValueError(f"head_budgets must be True or False, got {self.head_budgets!r}")
         if self.head_budgets and (not policy.needs_scores or policy.uses_keys):
@@ -213,6 +233,95 @@ class H2OOptions(CacheOptions):
         )
 
 
+Stored = Union[torch.Tensor, KIVIQuantized]  # keys / values: in the model's dtype, or KIVI codes per token
+RowFn = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _map(x: Stored, fn: RowFn) -> Stored:
+    return x.map_rows(fn) if isinstance(x, KIVIQuantized) else fn(x)
+
+
+def _tensors(x: Stored) -> list[torch.Tensor]:
+    return x.tensors() if isinstance(x, KIVIQuantized) else [x]
+
+
+@dataclass
+class H2OSlots:
+    """The slots one H2O layer holds. Rectangular: every tensor `[batch, kv_heads, slots, ...]`, each head's slots in
+    order of position; compact (`head_budgets`, between forwards): every tensor flat `[kept, ...]`, in (row, head,
+    position) order.
+
+    `keys` / `values [.., head_dim]`: in the model's dtype, or (`quant_bits`) KIVI codes packed along head_dim with
+    per-token fp16 scale and zero `[.., groups]`; `positions` int32 (-1: a slot a head does not hold); `valid` bool
+    (False for padding and empty slots); `scores` float32, the attention mass received (h2o / hybrid only)."""
+
+    keys: Stored
+    values: Stored
+    positions: torch.Tensor
+    valid: torch.Tensor
+    scores: torch.Tensor | None = None
+
+    def named(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name: `keys` / `values`, or `key_codes`, `key_scale`, `key_zero`, `value_*`; `positions`,
+        `valid`, `scores`."""
+        out = {}
+        for kind, x in (("key", self.keys), ("value", self.values)):
+            if isinstance(x, KIVIQuantized):
+                out.update({f"{kind}_codes": x.codes, f"{kind}_scale": x.scale, f"{kind}_zero": x.zero})
+            else:
+                out[f"{kind}s"] = x
+        out["positions"], out["valid"] = self.positions, self.valid
+        if self.scores is not None:
+            out["scores"] = self.scores
+        return out
+
+    def tensors(self) -> list[torch.Tensor]:
+        return list(self.named().values())
+
+    def map_rows(self, fn: RowFn) -> "H2OSlots":
+        """`fn` applied to every tensor (all share their leading dims: a batch-dim operation, a gather or a mask
+        along the slots)."""
+        return H2OSlots(_map(self.keys, fn), _map(self.values, fn), fn(self.positions), fn(self.valid),
+                        None if self.scores is None else fn(self.scores))
+
+    def select(self, index: torch.Tensor) -> "H2OSlots":
+        """The slots `index [batch, kv_heads, k]` of each row and head (rectangular storage)."""
+
+        def take(t: torch.Tensor) -> torch.Tensor:
+            return t.gather(2, index if t.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
+
+        return self.map_rows(take)
+
+    def cat(self, newer: "H2OSlots") -> "H2OSlots":
+        """These slots followed by `newer` (rectangular storage)."""
+
+        def join(a: Any, b: Any) -> Any:
+            if a is None:
+                return None
+            return a.cat(b) if isinstance(a, KIVIQuantized) else torch.cat([a, b], dim=2)
+
+        return H2OSlots(*(join(getattr(self, f.name), getattr(newer, f.name)) for f in dataclasses.fields(self)))
+
+    def compact(self, keep: torch.Tensor) -> "H2OSlots":
+        """Rectangular -> compact: the slots where `keep [batch, kv_heads, slots]` (bool) is True, flat."""
+        return self.map_rows(lambda t: t[keep])
+
+    def expand(self, counts: torch.Tensor) -> "H2OSlots":
+        """Compact -> rectangular `[batch, kv_heads, M, ...]` (M: the largest of `counts [batch, kv_heads]`), each
+        head's slots at the end, the missing ones in front holding nothing (positions -1, valid False, zeros)."""
+        m = int(counts.max()) if counts.numel() else 0
+        present = torch.arange(m, device=counts.device) >= (m - counts)[..., None]
+
+        def place(t: torch.Tensor, fill: int = 0) -> torch.Tensor:
+            out = t.new_full((*counts.shape, m, *t.shape[1:]), fill)
+            out[present] = t
+            return out
+
+        out = self.map_rows(place)
+        out.positions = place(self.positions, -1)
+        return out
+
+
 class H2OLayer(CompressedLayer):
     """One layer's kept tokens, their positions, padding flags and (policy permitting) scores, plus the queries of
     the last `query_window` positions for window policies (see the module docstring)."""
@@ -224,18 +333,36 @@ class H2OLayer(CompressedLayer):
     def __init__(self, options: H2OOptions | None = None) -> None:
         super().__init__(options if options is not None else H2OOptions())
         self.policy = self.options.make_policy()
-        self.query_window = self.policy.query_window()  # read by the hf_kvcache attention
+        self.window = self.policy.query_window()  # the queries the policy reads (`view.window`)
+        crop = self.options.crop_window
+        self.crop_window = DEFAULT_CROP_WINDOW if crop is None else crop
         self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
+        self.slots: H2OSlots | None = None  # what the layer holds (None before the first update)
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
+        # why a crop left scores it could not correct (the next update raises it); None when they are right
+        self.stale_after_crop: str | None = None
         self._clear_queries()
 
     def _clear_queries(self) -> None:
-        self.queries: torch.Tensor | None = None  # [batch, heads, <= W, head_dim], 16-bit
-        self.query_positions: torch.Tensor | None = None  # [<= W] int64
-        self.query_valid: torch.Tensor | None = None  # [batch, <= W] bool
-        self.scaling = 1.0
+        self.ring: QueryRing | None = None  # the last `query_window` queries (16-bit for window policies)
         self._new_queries = 0
+
+    @property
+    def query_window(self) -> int:
+        """Queries the `"hf_kvcache"` attention reports (`observe_queries`): the policy's window, plus `crop_window`
+        while `crop` may have to undo what they did (`tracks_crop`)."""
+        return self.window + (self.crop_window if self.tracks_crop() else 0)
+
+    def tracks_crop(self) -> bool:
+        """Whether the ring keeps queries for `crop`: for the policies that accumulate attention mass (h2o,
+        hybrid), while nothing was evicted (crop raises after that), unless the budget never evicts (a ratio of
+        1.0). Window policies need none: a crop of n tokens leaves at least n tokens to arrive before the next
+        eviction (nothing was evicted with them held), which refill their window."""
+        if not self.policy.uses_mass or self._dropped():
+            return False
+        b = self.options.budget
+        return not (isinstance(b, float) and b * self.budget_scale >= 1.0)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         bits, group = self.options.quant_bits, self.options.quant_group_size
@@ -256,6 +383,8 @@ class H2OLayer(CompressedLayer):
     def _begin_update(self) -> None:
         if self._pending:
             raise RuntimeError(MISSING_MASS.format(cls=type(self).__name__, policy=self.options.policy))
+        if self.stale_after_crop:
+            raise ValueError(self.stale_after_crop)
         self._expand()
 
     def _end_update(self, new_tokens: int) -> None:
@@ -265,88 +394,111 @@ class H2OLayer(CompressedLayer):
         b, h, n = key_states.shape[:3]
         start = self.cumulative_length - n
         dev = key_states.device
-        if self.quantized:
-            new = {**self._quantize("key", key_states), **self._quantize("value", value_states)}
-        else:
-            new = {"keys": key_states, "values": value_states}
-        if self.policy.uses_mass:
-            new["scores"] = torch.zeros(b, h, n, dtype=torch.float32, device=dev)
-        new["positions"] = torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous()
-        new["valid"] = torch.ones(b, h, n, dtype=torch.bool, device=dev)
-        for name, t in new.items():
-            self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store else t
-
-    def _quantize(self, kind: str, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        """`{kind}_codes [b, h, n, packed]`, `{kind}_scale` / `{kind}_zero [b, h, n, groups]` (fp16): token-aligned,
-        so eviction gathers them like any other slot tensor."""
-        q = quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
-        return {f"{kind}_codes": q.codes, f"{kind}_scale": q.scale, f"{kind}_zero": q.zero}
-
-    def _dequantize(self, kind: str, dim: int) -> torch.Tensor:
-        s = self.store
-        q = KIVIQuantized(
-            s[f"{kind}_codes"], s[f"{kind}_scale"], s[f"{kind}_zero"], self.options.quant_bits,
-            self.options.quant_group_size or dim, "token", dim,
+        keys, values = (self._quantize(key_states), self._quantize(value_states)) if self.quantized else (
+            key_states, value_states)
+        new = H2OSlots(
+            keys, values,
+            positions=torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous(),
+            valid=torch.ones(b, h, n, dtype=torch.bool, device=dev),
+            scores=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.policy.uses_mass else None,
         )
-        return dequantize_kivi(q, self.dtype)
+        self.slots = new if self.slots is None else self.slots.cat(new)
+
+    def _quantize(self, x: torch.Tensor) -> KIVIQuantized:
+        """KIVI codes `[b, h, n, packed]`, fp16 scale / zero `[b, h, n, groups]`: token-aligned, so eviction gathers
+        them like any other slot tensor."""
+        return quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
+
+    def _plain(self, x: Stored) -> torch.Tensor:
+        return dequantize_kivi(x, self.dtype) if isinstance(x, KIVIQuantized) else x
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.quantized:
-            return self._dequantize("key", self.head_dim), self._dequantize("value", self.value_dim)
-        return self.store["keys"], self.store["values"]
+        return self._plain(self.slots.keys), self._plain(self.slots.values)
 
     def held_keys(self) -> torch.Tensor:
         """`[batch, kv_heads, slots, head_dim]` the held keys in the model's dtype (dequantized when quantized)."""
-        return self._dequantize("key", self.head_dim) if self.quantized else self.store["keys"]
+        return self._plain(self.slots.keys)
 
     def held_tensors(self) -> list[torch.Tensor]:
-        ring = [t for t in (self.queries, self.query_positions, self.query_valid, self.counts) if t is not None]
-        return list(self.store.values()) + ring
+        ring = [] if self.ring is None else self.ring.tensors()
+        slots = [] if self.slots is None else self.slots.tensors()
+        return slots + ring + ([] if self.counts is None else [self.counts])
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return {} if self.slots is None else self.slots.named()
+
+    def batch_size(self) -> int:
+        if self.counts is not None:
+            return self.counts.shape[0]
+        return 0 if self.slots is None else self.slots.positions.shape[0]
+
+    def _map_store(self, fn: RowFn) -> None:
+        if self.slots is not None:
+            self.slots = self.slots.map_rows(fn)
+
+    # ---- read accessors: rectangular `[batch, kv_heads, slots, ...]` also while the storage is compact ----------
+    def _rect(self) -> H2OSlots:
+        if self.slots is None:
+            raise ValueError("this H2O layer holds no tokens yet: read it after a forward")
+        return self.slots if self.counts is None else self.slots.expand(self.counts)
+
+    def held_positions(self) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` int64: the position of each held slot (-1: a slot a head does not hold)."""
+        return self._rect().positions.long()
+
+    def held_valid(self) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` bool: False for padding and for slots a head does not hold."""
+        return self._rect().valid
+
+    def held_scores(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, slots]` float32: the attention mass each slot received (None unless h2o / hybrid)."""
+        return self._rect().scores
+
+    def held_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys `[batch, kv_heads, slots, head_dim]` and values `[.., value_dim]` held, in the model's dtype
+        (dequantized when quantized; zeros in the slots a head does not hold)."""
+        r = self._rect()
+        return self._plain(r.keys), self._plain(r.values)
 
     # ---- what the attention function reports --------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
         """The last `query_window` queries of this forward `[batch, heads, w, head_dim]` (post-RoPE): kept in a ring
-        of the last `query_window` queries (16-bit), with their positions and padding flags."""
+        of the last `query_window` queries, with their positions and padding flags; 16-bit for window policies (what
+        they read), the model's dtype for the mass policies (`crop` recomputes the mass they gave as the attention
+        computed it)."""
         if not self._pending or not self.query_window:
             return
         w = queries.shape[2]
         if w > self._pending:
             raise ValueError(f"{w} queries reported for {self._pending} new tokens")
-        dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
-        q = queries.detach().to(dtype)
-        pos = torch.arange(self.cumulative_length - w, self.cumulative_length, device=q.device)
-        valid = torch.ones(q.shape[0], w, dtype=torch.bool, device=q.device)
-        if self.queries is not None and self.queries.shape[0] == q.shape[0]:
-            q = torch.cat([self.queries, q], dim=2)
-            pos = torch.cat([self.query_positions, pos])
-            valid = torch.cat([self.query_valid, valid], dim=1)
+        dtype = self.dtype
+        if self.window:
+            dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
+        end = self.cumulative_length
+        new = QueryRing.of_forward(queries, end - self._pending, end, scaling, dtype)
         keep = self.query_window
-        # compact copies: a slice would keep the model's whole query tensor (or the previous ring) alive
-        self.queries = q[:, :, -keep:].clone(memory_format=torch.contiguous_format)
-        self.query_positions, self.query_valid = pos[-keep:].clone(), valid[:, -keep:].clone()
-        self.scaling = float(scaling)
+        self.ring = new.last(keep) if self.ring is None else self.ring.extend(new, keep)
         self._new_queries = w
 
     def observe_visible_keys(self, visible: torch.Tensor | None) -> None:
         if visible is None or not self._pending:
             return
         n = self._pending
-        valid = self.store["valid"]
+        valid = self.slots.valid
         if visible.shape != (valid.shape[0], valid.shape[2]):
             raise ValueError(f"visible keys {tuple(visible.shape)} do not match the held slots {tuple(valid.shape)}")
         valid[:, :, -n:] &= visible[:, None, -n:].to(valid.device)
-        if self._new_queries and self.query_valid is not None:  # a padding position is no query either
-            w = min(self._new_queries, self.query_valid.shape[1])
-            self.query_valid[:, -w:] &= visible[:, -w:].to(self.query_valid.device)
+        if self._new_queries and self.ring is not None:  # a padding position is no query either
+            self.ring.mark_invisible(visible, self._new_queries)
 
     def observe_attention(self, mass: torch.Tensor) -> None:
         if not self._pending:
             return  # e.g. the attention of a layer called twice per forward: count the first call only
-        valid = self.store["valid"]
+        valid = self.slots.valid
         if mass.shape != valid.shape:
             raise ValueError(f"attention mass {tuple(mass.shape)} does not match the held slots {tuple(valid.shape)}")
         if self.policy.uses_mass:
-            scores = self.store["scores"]
+            scores = self.slots.scores
             if self.policy.decay is not None and self.policy.decay < 1:
                 # the held tokens' mass fades per new query; the new mass is added as it came
                 scores.mul_(self.policy.decay ** self._pending)
@@ -354,12 +506,14 @@ class H2OLayer(CompressedLayer):
         self._pending = 0
         self._new_queries = 0
         self.evict()
+        if self.ring is not None and len(self.ring) > self.query_window:  # evicted: crop can no longer undo
+            self.ring = self.ring.last(self.query_window) if self.query_window else None
 
     # ---- eviction -----------------------------------------------------------------------------------------------
     def slot_view(self) -> SlotView:
-        s = self.store
-        uses_window = self.query_window > 0
-        if uses_window and self.queries is None:
+        s = self.slots
+        uses_window = self.window > 0
+        if uses_window and self.ring is None:
             raise RuntimeError(
                 f"policy {self.options.policy!r} ranks tokens by the attention of the last queries, which the "
                 "'hf_kvcache' attention reports (layer.observe_queries) before the attention mass; call "
@@ -368,66 +522,48 @@ class H2OLayer(CompressedLayer):
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
         window = None
         if uses_window:
-            window = window_attention(
-                self.queries, self.query_positions, self.query_valid, keys, s["positions"], s["valid"], self.scaling
-            )
-        return SlotView(
-            s.get("scores"), s["positions"], s["valid"], seen=self.cumulative_length, keys=keys, window=window
-        )
+            r = self.ring.last(self.window)
+            window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling)
+        return SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, window=window)
 
     def evict(self) -> None:
         """Keep the policy's `budget` slots of every (row, KV head)."""
-        if not self.store:
+        if self.slots is None:
             return
         budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
         if self.options.head_budgets:
             keep = self.policy.select_across_heads(self.slot_view(), budget)
-            self._compact(keep if keep is not None else self.store["positions"] >= 0)
+            self._compact(keep if keep is not None else self.slots.positions >= 0)
             return
         if budget >= self.tokens_held():
             return
         keep = self.policy.select(self.slot_view(), budget)
-        if keep is None:
-            return
-
-        def take(t: torch.Tensor) -> torch.Tensor:
-            idx = keep if t.dim() == 3 else keep.unsqueeze(-1).expand(*keep.shape, t.shape[-1])
-            return t.gather(2, idx)
-
-        self._map_store(take)
+        if keep is not None:
+            self.slots = self.slots.select(keep)
 
     # ---- compact storage of ragged heads (head_budgets) -----------------------------------------------------------
     def _compact(self, keep: torch.Tensor) -> None:
-        """Keep the slots `keep [batch, kv_heads, slots]` (bool): every stored tensor becomes flat `[kept, ...]`, in
-        (row, head, position) order, with `self.counts [batch, kv_heads]`."""
+        """Keep the slots `keep [batch, kv_heads, slots]` (bool), flat (`H2OSlots.compact`), with
+        `self.counts [batch, kv_heads]`."""
         self.counts = keep.sum(-1)
-        self.store = {name: t[keep] for name, t in self.store.items()}
+        self.slots = self.slots.compact(keep)
 
     def _expand(self) -> None:
-        """Compact -> rectangular `[batch, kv_heads, M, ...]` (M: the largest count), each head's slots at the end,
-        the missing ones in front holding nothing (positions -1, valid False: the attention masks them per head)."""
-        if self.counts is None:
-            return
-        counts, self.counts = self.counts, None
-        m = int(counts.max()) if counts.numel() else 0
-        present = torch.arange(m, device=counts.device) >= (m - counts)[..., None]
-        store = {}
-        for name, t in self.store.items():
-            out = t.new_full((*counts.shape, m, *t.shape[1:]), -1 if name == "positions" else 0)
-            out[present] = t
-            store[name] = out
-        self.store = store
+        """Compact -> rectangular (`H2OSlots.expand`)."""
+        if self.counts is not None:
+            counts, self.counts = self.counts, None
+            self.slots = self.slots.expand(counts)
 
     def key_mask(self) -> torch.Tensor | None:
         """`[batch, kv_heads, slots]` bool for the keys the last `update` returned: False for the slots a head does not
         hold (and padding); the `"hf_kvcache"` attention masks them per head. None unless heads hold different
         counts (`head_budgets`)."""
-        return self.store["valid"] if self.options.head_budgets and self.counts is None and self.store else None
+        return self.slots.valid if self.options.head_budgets and self.counts is None and self.slots is not None else None
 
     def tokens_held(self) -> int:
         if self.counts is not None:
             return int(self.counts.max()) if self.counts.numel() else 0
-        return super().tokens_held()
+        return 0 if self.slots is None else self.slots.positions.shape[2]
 
     def fp16_bytes(self) -> int:
         if self.counts is None:
@@ -441,19 +577,28 @@ class H2OLayer(CompressedLayer):
 
     def evicted(self) -> int:
         """Tokens evicted by the head that evicted most (0 while a forward is under way)."""
-        held = int(self.counts.min()) if self.counts is not None and self.counts.numel() else self.tokens_held()
-        return self.cumulative_length - held if self._pending == 0 else 0
+        return self._dropped() if self._pending == 0 else 0
+
+    def _dropped(self) -> int:
+        """Tokens evicted so far by the head that evicted most (the new tokens of a forward count as held)."""
+        if self.counts is not None:
+            held = int(self.counts.min()) if self.counts.numel() else 0
+        elif self.options.head_budgets and self.slots is not None:
+            held = int((self.slots.positions >= 0).sum(-1).min())
+        else:
+            held = self.tokens_held()
+        return self.cumulative_length - held
 
     def _map_queries(self, fn) -> None:
-        if self.queries is not None:
-            self.queries, self.query_valid = fn(self.queries), fn(self.query_valid)
+        if self.ring is not None:
+            self.ring = self.ring.map_rows(fn)
 
     def _batch_op(self, op, fn) -> None:
         compact = self.counts is not None
         self._expand()
         op()
         if compact:
-            self._compact(self.store["positions"] >= 0)
+            self._compact(self.slots.positions >= 0)
         self._map_queries(fn)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -468,27 +613,77 @@ class H2OLayer(CompressedLayer):
                        lambda t: t.repeat_interleave(repeats, dim=0))
 
     def _crop_newest(self, n: int) -> None:
-        if self.evicted() > 0:
+        """Drop the newest `n` tokens and what their queries did: the mass they gave (taken out of the scores,
+        `_undo_mass`) and their queries in the ring, so the layer is the one that never saw them."""
+        if self._dropped() > 0:
             raise ValueError(
                 f"H2OCache cannot crop {n} token(s): this layer already evicted "
-                f"{self.evicted()} of the {self.cumulative_length} tokens it saw, so the cache before those tokens "
+                f"{self._dropped()} of the {self.cumulative_length} tokens it saw, so the cache before those tokens "
                 "cannot be restored. Assisted / speculative decoding needs a cache that does not evict (or a budget "
                 "that covers the whole sequence)."
             )
+        keep = self.cumulative_length - n
         compact = self.counts is not None
         self._expand()
+        if self.tracks_crop():
+            self._undo_mass(keep)
         super()._crop_newest(n)
         if compact:
-            self._compact(self.store["positions"] >= 0)
-        if self.queries is not None:  # queries of cropped positions go too
-            keep = self.query_positions < self.cumulative_length - n
-            self.queries, self.query_positions = self.queries[:, :, keep], self.query_positions[keep]
-            self.query_valid = self.query_valid[:, keep]
+            self._compact(self.slots.positions >= 0)
+        if self.ring is not None:  # queries of cropped positions go too
+            self.ring = self.ring.before(keep)
+
+    def _undo_mass(self, keep: int) -> None:
+        """Take out of the scores `[batch, kv_heads, slots]` what the queries of positions `keep ..` gave, recomputed
+        from the ring over the held keys (nothing was evicted: every key they saw is held), so the scores become
+        those of the layer that saw `keep` tokens. With `decay`, the forward `start .. end` cut by the crop counted
+        its kept queries' mass `M` after fading the older mass by `end - start`: the scores are S d^(seen - keep) +
+        ... + M d^(seen - end) with the cropped mass; they become S + ... + M, so M is recomputed too."""
+        seen, ring, n = self.cumulative_length, self.ring, self.cumulative_length - keep
+        d = self.policy.decay if self.policy.decay is not None and self.policy.decay < 1 else None
+        start, part_end = keep, keep
+        if d is not None and ring is not None and keep > 0:
+            part = ring.forward_of(keep - 1)
+            if part is not None and part[1] > keep:
+                start, part_end = part
+        problem = None
+        if self.quantized:
+            problem = (
+                f"H2OCache cannot crop {n} token(s) with quant_bits={self.options.quant_bits} and policy="
+                f"{self.options.policy!r}: its scores hold the attention mass the cropped queries gave, which can be "
+                "recomputed only from the keys those queries saw, now stored quantized. Use quant_bits=None, a "
+                "policy that keeps no mass (tova, snapkv, knorm, recent, sinks, strided) or budget=1.0 (nothing "
+                "evicted: the scores never matter)"
+            )
+        elif ring is None or not ring.covers(start, seen):
+            problem = (
+                f"H2OCache cannot crop {n} token(s): its scores hold the attention mass of the queries of positions "
+                f"{start} .. {seen - 1}, and this layer keeps the queries of only the last crop_window="
+                f"{self.crop_window} positions (reported by the 'hf_kvcache' attention, observe_queries) to take it "
+                f"out; build the cache with crop_window >= {seen - start}"
+            )
+        if problem is not None:  # a copy cropped to be encoded (the prefix store) goes on; this layer may not
+            self.stale_after_crop = problem
+            return
+        s = self.slots
+        att = ring.attention(self.held_keys(), s.positions, s.valid, start, seen)  # [b, h, seen - start, slots]
+        scores = s.scores
+        if d is None:
+            self.slots = dataclasses.replace(s, scores=scores - att.sum(2))  # new tensors: a copy may share `s`
+            return
+        pos = range(start, seen)
+        ends = torch.tensor([ring.forward_of(p)[1] for p in pos], dtype=torch.float32, device=att.device)
+        cropped = torch.arange(start, seen, device=att.device) >= keep
+        gone = (att * torch.where(cropped, d ** (seen - ends), 0.0)[:, None]).sum(2)
+        kept = att[:, :, ~cropped].sum(2)
+        self.slots = dataclasses.replace(s, scores=(scores - gone - d ** (seen - part_end) * kept) / d**n + kept)
 
     def reset(self) -> None:
         super().reset()
         self._pending = 0
+        self.slots = None
         self.counts = None
+        self.stale_after_crop = None
         self._clear_queries()
 
 

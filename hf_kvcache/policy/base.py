@@ -157,19 +157,24 @@ def window_attention(
     key_positions: torch.Tensor,
     key_valid: torch.Tensor,
     scaling: float,
+    in_dtype: bool = False,
 ) -> torch.Tensor:
     """Attention of recent queries over the held keys, per KV head: `[batch, kv_heads, W, slots]` float32.
 
     `queries [batch, heads, W, head_dim]` (heads a multiple of kv_heads, grouped as GQA does), `query_positions [W]`,
     `query_valid [batch, W]` (False: padding or not seen yet -> a row of 0), `keys [batch, kv_heads, slots, head_dim]`,
     `key_positions` / `key_valid [batch, kv_heads, slots]`. A query sees the valid keys at positions up to its own;
-    each query head's softmax is over those, and the heads of a group are summed.
+    each query head's softmax is over those, and the heads of a group are summed. `in_dtype`: the logits are computed
+    in the queries' dtype (keys of the same dtype), then in float32, as the `"hf_kvcache"` attention computes them.
     """
     b, heads, w, d = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     g = heads // kv_heads
-    q = queries.float().reshape(b, kv_heads, g * w, d)
-    logits = torch.matmul(q, keys.float().transpose(-1, -2)).mul_(scaling).view(b, kv_heads, g, w, slots)
+    if in_dtype:
+        logits = torch.matmul(queries.reshape(b, kv_heads, g * w, d), keys.transpose(-1, -2)).float()
+    else:
+        logits = torch.matmul(queries.float().reshape(b, kv_heads, g * w, d), keys.float().transpose(-1, -2))
+    logits = logits.mul_(scaling).view(b, kv_heads, g, w, slots)
     visible = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= query_positions[None, None, :, None])
     logits.masked_fill_(~visible[:, :, None], -INF)
     probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: a row of 0

@@ -30,7 +30,12 @@ the weight `1 - |imp_a - imp_b|` is 1 and no page is protected by importance; re
 
 Storage of one layer (`CPACLayer`): a `PagePool` per stream, `pools["k"]` and `pools["v"]` (`pool.py`: the recent
 tail, a pool of full pages, a pool of quantized deltas, and each (row, head, page)'s slot and mode), plus `imp_mass`
-[batch, heads, all pages] fp32 and `imp_obs` [all pages] fp32 (attention received, queries that saw it). Pools are
+[batch, heads, all pages] fp32 and `imp_obs` [all pages] fp32 (attention received, queries that saw it), and
+`query_mass` [batch, heads, w, pages] fp32: the attention each of the last `w <= crop_window` queries of the last
+forward gave each page (the reported mass for one query, recomputed per query for several), from which `crop` takes
+what the cropped queries added out of the importance, so the cropped cache goes on as the one that never saw them
+(after a crop reaching before the last forward, the storage is cropped and the next forward raises a ValueError).
+Pools are
 shared by batch rows: beam reordering and `batch_repeat_interleave` remap slots and never copy a page. Every figure
 of `memory_stats` is a sum of `nbytes`.
 

@@ -10,6 +10,7 @@ import time
 
 import torch
 
+from ...policy.base import window_attention
 from ...rope import KeyRotation
 from ..base import CompressedLayer
 from .delta import DeltaCodec
@@ -86,6 +87,26 @@ class CPACLayer(CompressedLayer):
         self._mass_mode: bool | None = None  # does observe_attention follow each update?
         self._mass_seen = False
         self._last_query_len = 0
+        # the attention each of the last (at most `crop_window`) queries of the last forward gave each page, for crop
+        self.query_mass: torch.Tensor | None = None  # [batch, heads, w, pages] fp32
+        self.query_mass_positions: torch.Tensor | None = None  # [w] int64
+        self._forward: dict | None = None  # this forward's keys and last queries, until its mass arrives
+        # why a crop left an importance it could not correct (the next update raises it); None when it is right
+        self.stale_after_crop: str | None = None
+
+    @property
+    def query_window(self) -> int:
+        """Queries the `"hf_kvcache"` attention reports (`observe_queries`): the last `crop_window`, while attention
+        mass arrives (their attention per page is kept for crop)."""
+        return 0 if self._mass_mode is False else self.options.crop_window
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """`CompressedLayer.update`, keeping (until this forward's mass arrives) the keys the attention sees, from
+        which `observe_attention` splits the mass of a forward of several queries per query."""
+        keys, values = super().update(key_states, value_states, *args, **kwargs)
+        if self._pending and self.query_window:
+            self._forward = {"keys": keys if self.fused_view is None else None, "new_keys": key_states.detach()}
+        return keys, values
 
     def reset(self) -> None:
         super().reset()
@@ -117,11 +138,14 @@ class CPACLayer(CompressedLayer):
 
     # ---- storage hooks of CompressedLayer -----------------------------------------------------------------------
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the layer keeps, by name: `k_<field>` / `v_<field>` of the pools, `imp_mass`, `imp_obs`."""
+        """Every tensor the layer keeps, by name: `k_<field>` / `v_<field>` of the pools, `imp_mass`, `imp_obs`,
+        `query_mass`, `query_mass_positions`."""
         if not self.pools:
             return {}
         out = {f"{s}_{name}": t for s, pool in self.pools.items() for name, t in pool.tensors().items()}
         out["imp_mass"], out["imp_obs"] = self.imp_mass, self.imp_obs
+        if self.query_mass is not None:
+            out["query_mass"], out["query_mass_positions"] = self.query_mass, self.query_mass_positions
         return out
 
     def held_tensors(self) -> list[torch.Tensor]:
@@ -137,6 +161,8 @@ class CPACLayer(CompressedLayer):
         for pool in self.pools.values():
             pool.map(fn)
         self.imp_mass = fn(self.imp_mass)
+        if self.query_mass is not None:
+            self.query_mass = fn(self.query_mass)
 
     def tail_tokens(self) -> int:
         return self.pools["k"].tail.shape[2] if self.pools else 0
@@ -146,6 +172,9 @@ class CPACLayer(CompressedLayer):
 
     # ---- update / attention mass --------------------------------------------------------------------------------
     def _begin_update(self) -> None:
+        self._forward = None
+        if self.stale_after_crop:
+            raise ValueError(self.stale_after_crop)
         if self._pending:  # the attention after the last update reported no mass: rank without it from now on
             self._pending = False
             self._mass_mode = False
@@ -168,11 +197,19 @@ class CPACLayer(CompressedLayer):
             mass = self.imp_mass
             self.imp_mass = torch.cat([mass, mass.new_zeros(*mass.shape[:2], grow)], dim=2)
             self.imp_obs = torch.cat([self.imp_obs, mass.new_zeros(grow)])
+            if self.query_mass is not None:
+                self.query_mass = torch.nn.functional.pad(self.query_mass, (0, grow))
         self._last_query_len = key_states.shape[2]
         if self._mass_mode is False:
             self.compress_ready()
         else:  # wait for observe_attention (or, if it never comes, for the next update)
             self._pending = True
+
+    def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
+        """The last `query_window` queries `[batch, heads, w, head_dim]` of this forward, held until its mass
+        arrives (`observe_attention` splits the mass per query with them)."""
+        if self._pending and self.query_window and self._forward is not None:
+            self._forward.update(queries=queries.detach(), scaling=float(scaling))
 
     def observe_attention(self, mass: torch.Tensor) -> None:
         if not self.is_initialized:
@@ -193,11 +230,51 @@ class CPACLayer(CompressedLayer):
         padded = torch.nn.functional.pad(mass.float(), (0, pages * p - n))
         self.imp_mass = self.imp_mass + padded.reshape(*padded.shape[:2], pages, p).sum(-1)
         self.imp_obs = self.imp_obs + obs.reshape(pages, p).sum(-1)
+        self._keep_query_mass(mass, q)
         self._mass_mode = True
         self._mass_seen = True
         if self._pending:
             self._pending = False
             self.compress_ready()
+
+    def _keep_query_mass(self, mass: torch.Tensor, q: int) -> None:
+        """Keep in `query_mass` the attention each of the last (at most `crop_window`) queries of this forward gave
+        each page: the reported `mass [batch, heads, held]` itself for a forward of one query, else recomputed per
+        query from the keys the attention saw and the queries it reported."""
+        forward, self._forward = self._forward, None
+        self.query_mass = self.query_mass_positions = None
+        window = self.options.crop_window
+        if not window or self._mass_mode is False:
+            return
+        b, h, n = mass.shape
+        p, pages = self.options.page_size, self.imp_obs.shape[0]
+        dev = mass.device
+        if q == 1:
+            per_query = mass.float()[:, :, None]
+        elif forward is None or "queries" not in forward:
+            return  # no queries reported (a layer driven by hand): a crop of these positions raises
+        else:
+            queries = forward["queries"][:, :, -window:]
+            keys = forward["keys"]
+            if keys is None:  # the fused attention read the storage: rebuild what it saw
+                keys = torch.cat([self.materialize()[0][:, :, : n - q], forward["new_keys"]], 2)
+            keys = keys[:, :, :n].to(queries.dtype)
+            w = queries.shape[2]
+            q_pos = torch.arange(n - w, n, device=dev)
+            k_pos = torch.arange(n, device=dev).expand(b, h, n)
+            k_valid, q_valid = self._unpadded(k_pos), self._unpadded(q_pos[None].expand(b, w))
+            per_query = window_attention(queries, q_pos, q_valid, keys, k_pos, k_valid, forward["scaling"],
+                                         in_dtype=True)
+        per_query = torch.nn.functional.pad(per_query, (0, pages * p - n)).reshape(b, h, -1, pages, p).sum(-1)
+        self.query_mass = per_query.contiguous()
+        self.query_mass_positions = torch.arange(n - per_query.shape[2], n, device=dev)
+
+    def _unpadded(self, positions: torch.Tensor) -> torch.Tensor:
+        """`positions [batch, ...]` -> bool, False at the left padding of each row (`set_padding`)."""
+        pad = self.row_padding(positions.shape[0])
+        if pad is None:
+            return torch.ones_like(positions, dtype=torch.bool)
+        return positions >= pad.to(positions.device).view(-1, *[1] * (positions.dim() - 1))
 
     def importance(self) -> torch.Tensor:
         """`[batch, heads, pages]` in [0, 1]: mean attention per query, over the largest of the row and head;
@@ -321,9 +398,12 @@ class CPACLayer(CompressedLayer):
 
     def _crop_newest(self, n: int) -> None:
         """Compressed pages that reach into the cropped tokens are decompressed back into the tail first (they will
-        be compressed again once old enough)."""
+        be compressed again once old enough); the attention the cropped queries gave leaves the importance
+        (`_undo_importance`)."""
         p = self.options.page_size
         keep = self.tokens_held() - n
+        if self._mass_mode:
+            self._undo_importance(keep)
         keep_pages = min(self.n_pages, keep // p)
         if keep_pages < self.n_pages:
             for s, pool in self.pools.items():
@@ -338,6 +418,32 @@ class CPACLayer(CompressedLayer):
         pages = -(-keep // p)
         self.imp_mass = self.imp_mass[:, :, :pages].clone()
         self.imp_obs = self.imp_obs[:pages].clone()
+        if self.query_mass is not None:  # the kept queries of the last forward stay
+            pos = self.query_mass_positions
+            self.query_mass = self.query_mass[:, :, pos < keep, :pages].clone()
+            self.query_mass_positions = pos[pos < keep].clone()
+
+    def _undo_importance(self, keep: int) -> None:
+        """Take out of `imp_mass` / `imp_obs` what the queries of positions `keep ..` added: their attention per
+        page (`query_mass`) and their observations (one of every token up to its position per query; a page cut by
+        the crop keeps its sums)."""
+        held, n, p = self.tokens_held(), self.tokens_held() - keep, self.options.page_size
+        pos = self.query_mass_positions
+        if pos is None or int(((pos >= keep) & (pos < held)).sum()) != n:
+            # a copy cropped to be encoded (the prefix store) goes on; this layer may not
+            self.stale_after_crop = (
+                f"CPACCache cannot crop {n} token(s): the page importance holds the attention their queries gave, and "
+                f"this layer keeps that attention per query only for the last {self.options.crop_window} queries "
+                "(crop_window) of the last forward, when the 'hf_kvcache' attention reported them; crop right after "
+                "the forward that brought the tokens (as assisted decoding does), or build the cache with "
+                f"crop_window >= {n}"
+            )
+            return
+        pages = self.imp_obs.shape[0]
+        self.imp_mass = self.imp_mass - self.query_mass[:, :, pos >= keep].sum(2)[..., :pages]
+        t = torch.arange(pages * p, device=pos.device)
+        seen = torch.where(t < keep, n, (held - t).clamp(min=0)).float()  # a cropped token was seen by cropped queries
+        self.imp_obs = self.imp_obs - seen.reshape(pages, p).sum(-1)
 
     # ---- reporting ------------------------------------------------------------------------------------------------
     def page_counts(self) -> dict[str, int]:
@@ -357,4 +463,5 @@ class CPACLayer(CompressedLayer):
                 out[next((k for k, fields in kinds.items() if name in fields), "meta")] += t.nbytes
         if self.pools:
             out["meta"] += self.imp_mass.nbytes + self.imp_obs.nbytes
+            out["meta"] += sum(t.nbytes for t in (self.query_mass, self.query_mass_positions) if t is not None)
         return out

@@ -40,6 +40,10 @@ class CPACOptions(CacheOptions):
     `pressure`, `features` + `n_dct` (see `hf_kvcache.caches.cpac.features`), `protect_importance` (pages whose
     importance reaches it stay raw; None: no protection), `importance_weighting` (the `1 - |imp_a - imp_b|` factor),
     `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
+    `crop_window` (not in the paper): a layer keeps (while attention mass arrives) the attention each of the last
+    `crop_window` queries of the last forward gave each page, so that `crop` of up to that many tokens right after
+    their forward takes it out of the page importance (default 32; 0: none, and the next forward after a crop
+    raises).
 
     Variants (not in the paper, to see what matters): `delta_asymmetric` (deltas quantized with a zero point, an fp16
     minimum per scale group, instead of symmetrically); `similarity_on` -- "joint" (keys and values of a page decide
@@ -69,6 +73,7 @@ class CPACOptions(CacheOptions):
     reference: str = "base"
     delta_asymmetric: bool = False
     full_dtype: str = "float16"
+    crop_window: int = 32
 
     def validate(self) -> None:
         check_positive_int("page_size", self.page_size)
@@ -124,6 +129,7 @@ class CPACOptions(CacheOptions):
         check_bool("delta_asymmetric", self.delta_asymmetric)
         check_bool("importance_weighting", self.importance_weighting)
         check_int("max_bases", self.max_bases, lo=0, allow_none=True)
+        check_int("crop_window", self.crop_window, lo=0, hint=" (queries kept so that crop can undo their attention)")
 
     @property
     def groups(self) -> tuple:
