@@ -295,11 +295,21 @@ class TieredQuantLayer(CompressedLayer):
         """The rotation matrices (shared by every layer, see `quant.rotation`) and their transposes, used to un-rotate,
         in the dtype of that matmul."""
         rot_k, rot_v = rotation in ("keys", "both"), rotation in ("values", "both")
+        self.rot_k, self.unrot_k = self._rotation_pair(self.head_dim, 0) if rot_k else (None, None)
+        self.rot_v, self.unrot_v = self._rotation_pair(self.value_dim, 1) if rot_v else (None, None)
+
+    def _rotation_pair(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotation, un-rotation) of size `n`. When the un-rotation runs in bfloat16 and bfloat16 holds the rotation
+        exactly (entries +-1/sqrt(n): n a power of 4, e.g. head_dim 64 or 256), both are one bfloat16 matrix and its
+        transposed view, a quarter of the bytes of an fp32 rotation plus a separate un-rotation (readers upcast it;
+        same values, same products); otherwise an fp32 rotation and the un-rotation in `rotation_dtype`."""
         device = self.device
-        self.rot_k = rotation_matrix(self.head_dim, seed=0, device=device) if rot_k else None
-        self.rot_v = rotation_matrix(self.value_dim, seed=1, device=device) if rot_v else None
-        self.unrot_k = unrotation_matrix(self.head_dim, 0, self.rot_dtype, device) if rot_k else None
-        self.unrot_v = unrotation_matrix(self.value_dim, 1, self.rot_dtype, device) if rot_v else None
+        r32 = rotation_matrix(n, seed, device=device)
+        if self.rot_dtype == torch.bfloat16:
+            r16 = rotation_matrix(n, seed, torch.bfloat16, device)
+            if torch.equal(r16.float(), r32):
+                return r16, r16.t()
+        return r32, unrotation_matrix(n, seed, self.rot_dtype, device)
 
     # ---- calibration ("auto" rotation) ---------------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
@@ -445,9 +455,9 @@ class TieredQuantLayer(CompressedLayer):
             q = QuantTier(quantize_nuq(keys, self.codebooks[0]), quantize_nuq(values, self.codebooks[1]))
         else:
             if self.rot_k is not None and not rotated:
-                keys = keys.float() @ self.rot_k
+                keys = keys.float() @ self.rot_k.float()
             if self.rot_v is not None and not rotated:
-                values = values.float() @ self.rot_v
+                values = values.float() @ self.rot_v.float()
             ka, va = self._qargs(tier)
             q = QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
         if track:
