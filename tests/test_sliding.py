@@ -11,7 +11,7 @@ from hf_kvcache.caches.tiered import TieredQuantLayer
 
 WINDOW = 24
 EIGHT_BIT = dict(tail_length=8, warm_length=8, group_size=8, archive_group_size=8, warm_bits=8, archive_bits=8,
-                 sink_length=0, rotation="none")
+                 sink_length=0, rotation="none", sliding=None)
 
 
 @pytest.fixture(scope="module")
@@ -64,3 +64,59 @@ def test_sliding_bytes_compared_with_what_an_fp16_window_holds(tiny_gemma):
     assert sliding.nbytes() < sliding.fp16_bytes()
     stats = cache.memory_stats()
     assert stats["ratio"] > 1.5  # every layer quantized (with transformers' fp32 sliding layers it was below 1)
+
+
+# ---- what sliding layers run with (TieredQuantOptions.sliding) ---------------------------------------------------------
+def test_sliding_options_default_validate_and_serialize():
+    from hf_kvcache.caches.tiered import SLIDING_DEFAULT, KIVIOptions, TieredQuantOptions
+
+    opts = TieredQuantOptions()
+    assert opts.sliding == SLIDING_DEFAULT and opts.sliding is not SLIDING_DEFAULT  # a copy per instance
+    plan = opts.for_sliding()
+    assert (plan.tail_length, plan.warm_length, plan.warm_fraction, plan.warm_bits, plan.archive_bits) == (0, 64, 0.0, 3, 3)
+    assert (plan.rotation, plan.clip_on, plan.sink_length, plan.sliding) == ("none", "both", 0, None)
+    # keys left out take the full layers' value; None: sliding layers run the full layers' options (without sinks)
+    assert TieredQuantOptions(sliding={"archive_bits": 4}).for_sliding().warm_length == 448
+    assert TieredQuantOptions(sliding=None).for_sliding() == TieredQuantOptions(sliding=None, sink_length=0)
+    assert TieredQuantOptions.from_json(opts.to_json()) == opts
+    assert KIVIOptions().as_tiered().sliding is None  # KIVI runs one recipe on every layer
+    with pytest.raises(ValueError, match="sliding must be a JSON object"):
+        TieredQuantOptions(sliding=[0])
+    with pytest.raises(ValueError, match=r"\['sink_length'\] cannot be set per sliding-window layer; use the keys"):
+        TieredQuantOptions(sliding={"sink_length": 4})
+    with pytest.raises(ValueError, match=r"sliding=\{'warm_length': 40\}: warm_length=40 must be a multiple of group_size"):
+        TieredQuantOptions(sliding={"warm_length": 40})
+
+
+@pytest.fixture(scope="module")
+def gemma_window_128():
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=64, sliding_window=128, max_position_embeddings=1024,
+        layer_types=["sliding_attention", "full_attention"],
+    )
+    return Gemma3ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("sliding, tiers, nbytes", [
+    # default: 64 positions at 3 bits in groups of 32 (keys, values: 24 code + 8 scale/zero bytes each per position),
+    # the rest of the window at 3 bits in groups of 64 (24 + 4 each); no tail at a multiple of 32 positions
+    ("default", {"sink": 0, "archive": 64, "warm": 64, "tail": 0}, 64 * 64 + 64 * 56),
+    # the full layers' options: a 64-position fp16 tail and a 4-bit warm tier of at least 448 positions, more than
+    # the window: nothing reaches the archive, so nothing is dropped (80 bytes per position at 4 bits)
+    (None, {"sink": 0, "archive": 0, "warm": 448, "tail": 64}, 64 * 256 + 448 * 80),
+])
+def test_sliding_layers_take_their_own_options(gemma_window_128, sliding, tiers, nbytes):
+    model = gemma_window_128
+    ids = torch.randint(0, 256, (1, 512), generator=torch.Generator().manual_seed(3))
+    kw = {} if sliding == "default" else {"sliding": sliding}
+    cache = TieredQuantCache(config=model.config, **kw)
+    stream(model, cache, ids, 32)
+    layer, full = cache.layers
+    assert layer.is_sliding and layer.tier_tokens() == tiers and layer.dropped + layer.tokens_held() == 512
+    assert layer.nbytes() == nbytes and layer.fp16_bytes() == 127 * 2 * 64 * 2
+    assert full.plan.tail_length == 64 and full.tier_tokens()["tail"] == 64  # full layers keep the options given
+    if sliding == "default":
+        assert layer.recipe.rotation == "none" and layer.specs["arch"].bits == layer.specs["warm"].bits == 3
+        assert layer.fp16_bytes() / layer.nbytes() > 4.2  # 4.23x (the full layers' options: 0.62x)

@@ -300,3 +300,25 @@ def test_sinks_follow_a_crop_below_them():
     km, _ = cache.layers[0].materialize()
     assert torch.equal(km[:, :, :1], k[:, :, :1]) and torch.equal(km[:, :, 1:4], k2[:, :, :3])
     assert cache.layers[0].tier_tokens()["sink"] == 4
+
+
+@pytest.mark.parametrize("dim, rotation_dtype, shared", [(64, "bfloat16", True), (128, "bfloat16", False),
+                                                          (64, None, False)])
+def test_rotation_stored_once_in_bfloat16_when_exact(dim, rotation_dtype, shared):
+    from hf_kvcache.quant.rotation import rotation_matrix
+
+    layer = TieredQuantLayer(TieredQuantOptions(rotation="both", rotation_dtype=rotation_dtype))
+    layer.update(torch.randn(1, 1, 8, dim), torch.randn(1, 1, 8, dim))
+    exact = rotation_matrix(dim, 0)
+    assert torch.equal(layer.rot_k.float(), exact) and torch.equal(layer.unrot_k.float(), exact.t().to(layer.rot_dtype).float())
+    one = (layer.rot_k.untyped_storage().data_ptr() == layer.unrot_k.untyped_storage().data_ptr())
+    assert one == shared and (layer.rot_k.dtype == torch.bfloat16) == shared
+    # +-1/sqrt(64) is a bfloat16 number: one 8 KiB matrix per rotated tensor instead of 16 KiB fp32 + 8 KiB bf16
+    rot_bytes = memory_stats_of_rotations(layer)
+    assert rot_bytes == (2 * dim * dim * 2 if shared else 2 * dim * dim * (4 + layer.rot_dtype.itemsize))
+
+
+def memory_stats_of_rotations(layer):
+    from hf_kvcache.caches.base import held_bytes
+
+    return held_bytes([layer.rot_k, layer.unrot_k, layer.rot_v, layer.unrot_v])

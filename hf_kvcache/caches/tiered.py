@@ -26,7 +26,7 @@ KIVI's per-channel keys). The defaults are the measured best recipe (`python -m 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -49,6 +49,13 @@ TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
 ROTATION_DTYPES = (None, "bfloat16")
 CLIP_TARGETS = ("keys", "values", "both")
 TIERS = ("sink", "archive", "warm", "tail")
+# the options a sliding-window layer may run with differently (`TieredQuantOptions.sliding`)
+SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "archive_bits", "group_size",
+                  "archive_group_size", "value_group_size", "rotation", "clip_ratio", "clip_search", "clip_on")
+# what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256: README):
+# no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values and keys clipped, no rotation
+SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "warm_bits": 3, "archive_bits": 3,
+                   "rotation": "none", "clip_on": "both"}
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 
@@ -101,6 +108,14 @@ class TieredQuantOptions(CacheOptions):
     - clip_on: which tensors clip_ratio / clip_search apply to: "keys", "values" or "both"
     - tail_dtype: dtype of the unquantized tail and sinks: "auto" (16 bits: the model's dtype if it is fp16/bf16,
       else float16), None (the model's dtype), or a dtype name
+    - sliding: options that sliding-window layers (e.g. Gemma-3's local layers) run with instead of the ones above,
+      a JSON object over `SLIDING_FIELDS`; a key it leaves out takes the value above, None or {}: the same options
+      as full layers. Such a layer holds only the window (DynamicCache holds window - 1 positions there), so a
+      tail and warm tier sized for long contexts would be most of it. The default (`SLIDING_DEFAULT`) keeps no
+      full-precision tail beyond the group waiting to leave it, 64 positions at 3 bits in groups of 32 and the
+      rest of the window at 3 bits in groups of 64 (clip search on keys and values), unrotated: a rotation lost
+      perplexity there and its matrix, shared by all layers, costs 128 KiB for head_dim 256. A sliding layer keeps
+      no sinks either way. Models without sliding layers never read it.
     """
 
     tail_length: int = 64
@@ -123,6 +138,7 @@ class TieredQuantOptions(CacheOptions):
     tail_dtype: str | None = "auto"
     calibration_queries: int = 64
     recipes: list | None = None
+    sliding: dict | None = field(default_factory=lambda: dict(SLIDING_DEFAULT))
 
     def validate(self) -> None:
         check_int("tail_length", self.tail_length, lo=0)
@@ -150,6 +166,22 @@ class TieredQuantOptions(CacheOptions):
             raise ValueError(
                 f"archive_group_size={self.archive_group_size} must be a multiple of group_size={self.group_size}"
             )
+        if self.sliding is not None:
+            if not isinstance(self.sliding, dict):
+                raise ValueError("sliding must be a JSON object of options for sliding-window layers, e.g. "
+                                 f'{{"tail_length": 32, "warm_length": 64}}, or None, got {self.sliding!r}')
+            unknown = sorted(set(self.sliding) - set(SLIDING_FIELDS))
+            if unknown:
+                raise ValueError(f"sliding: {unknown} cannot be set per sliding-window layer; use the keys "
+                                 f"{list(SLIDING_FIELDS)} (or set the option for every layer)")
+            try:
+                self.for_sliding()
+            except ValueError as exc:
+                raise ValueError(f"sliding={self.sliding!r}: {exc}") from None
+
+    def for_sliding(self) -> "TieredQuantOptions":
+        """The options a sliding-window layer runs with: `sliding` laid over these, and no sinks."""
+        return dataclasses.replace(self, sliding=None, sink_length=0, **(self.sliding or {}))
 
     @property
     def archive_group(self) -> int:
@@ -187,6 +219,7 @@ class KIVIOptions(CacheOptions):
             sink_length=self.sink_length, key_axis=self.key_axis, rotation=self.rotation,
             rotation_dtype=self.rotation_dtype,
             clip_ratio=self.clip_ratio, clip_search=self.clip_search, clip_on=self.clip_on, tail_dtype=self.tail_dtype,
+            sliding=None,
         )
 
 
@@ -236,10 +269,10 @@ class TieredQuantLayer(CompressedLayer):
         self.plan: TieredQuantOptions = self._plan()
 
     def _plan(self) -> TieredQuantOptions:
-        """The tiered options this layer runs with (KIVI maps its own options onto them; a sliding layer keeps no
-        sinks: its first positions leave the window)."""
+        """The tiered options this layer runs with (KIVI maps its own options onto them; a sliding layer takes the
+        `sliding` overrides and keeps no sinks: its first positions leave the window)."""
         plan = self._options_as_tiered()
-        return dataclasses.replace(plan, sink_length=0) if self.is_sliding else plan
+        return plan.for_sliding() if self.is_sliding else plan
 
     def _options_as_tiered(self) -> TieredQuantOptions:
         return self.options
@@ -295,11 +328,21 @@ class TieredQuantLayer(CompressedLayer):
         """The rotation matrices (shared by every layer, see `quant.rotation`) and their transposes, used to un-rotate,
         in the dtype of that matmul."""
         rot_k, rot_v = rotation in ("keys", "both"), rotation in ("values", "both")
+        self.rot_k, self.unrot_k = self._rotation_pair(self.head_dim, 0) if rot_k else (None, None)
+        self.rot_v, self.unrot_v = self._rotation_pair(self.value_dim, 1) if rot_v else (None, None)
+
+    def _rotation_pair(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rotation, un-rotation) of size `n`. When the un-rotation runs in bfloat16 and bfloat16 holds the rotation
+        exactly (entries +-1/sqrt(n): n a power of 4, e.g. head_dim 64 or 256), both are one bfloat16 matrix and its
+        transposed view, a quarter of the bytes of an fp32 rotation plus a separate un-rotation (readers upcast it;
+        same values, same products); otherwise an fp32 rotation and the un-rotation in `rotation_dtype`."""
         device = self.device
-        self.rot_k = rotation_matrix(self.head_dim, seed=0, device=device) if rot_k else None
-        self.rot_v = rotation_matrix(self.value_dim, seed=1, device=device) if rot_v else None
-        self.unrot_k = unrotation_matrix(self.head_dim, 0, self.rot_dtype, device) if rot_k else None
-        self.unrot_v = unrotation_matrix(self.value_dim, 1, self.rot_dtype, device) if rot_v else None
+        r32 = rotation_matrix(n, seed, device=device)
+        if self.rot_dtype == torch.bfloat16:
+            r16 = rotation_matrix(n, seed, torch.bfloat16, device)
+            if torch.equal(r16.float(), r32):
+                return r16, r16.t()
+        return r32, unrotation_matrix(n, seed, self.rot_dtype, device)
 
     # ---- calibration ("auto" rotation) ---------------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
@@ -445,9 +488,9 @@ class TieredQuantLayer(CompressedLayer):
             q = QuantTier(quantize_nuq(keys, self.codebooks[0]), quantize_nuq(values, self.codebooks[1]))
         else:
             if self.rot_k is not None and not rotated:
-                keys = keys.float() @ self.rot_k
+                keys = keys.float() @ self.rot_k.float()
             if self.rot_v is not None and not rotated:
-                values = values.float() @ self.rot_v
+                values = values.float() @ self.rot_v.float()
             ka, va = self._qargs(tier)
             q = QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
         if track:
