@@ -23,7 +23,8 @@ import torch
 
 from ..quant.kivi import dequantize_kivi, quantize_kivi
 from ..quant.kvquant import dequantize_nuq, fit_codebook, quantize_nuq
-from ..quant.subspace import dequantize_subspace_rows, fit_subspace, quantize_subspace_rows
+from ..quant.subspace import (SubspaceBasis, allocate_bits, dequantize_subspace_rows, fit_subspace,
+                              quantize_subspace_rows)
 from .tiers import QuantTier, format_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -162,14 +163,20 @@ class KVQuantFormat(_PreRoPEFormat):
 class SubspaceFormat(_PreRoPEFormat):
     """Codes in an orthogonal basis fitted per KV head (`quant.subspace`, PCA of the first positions archived):
     keys per direction over archive groups of tokens (axis "channel"; pre-RoPE unless `subspace_prerope=False`),
-    values with per-token scales per subspace of `value_group_size or group_size` directions (axis "token"); only
-    the leading `archive_rank` directions are kept when it is set."""
+    values with per-token scales per subspace of `value_group_size or group_size` directions (axis "token").
+
+    Widths: with `subspace_allocation` the `archive_bits` x rank code bits of a token are spread over subspaces
+    (keys: of `KEY_SUBSPACE` directions) by reverse water-filling on the fitted variances (`allocate_bits`): leading
+    directions get more bits, trailing ones may get none and are dropped; else every direction gets `archive_bits`.
+    `archive_rank` keeps only the leading directions (and the budget shrinks with them)."""
 
     name = "subspace"
+    KEY_SUBSPACE = 8  # directions per key subspace: the allocation's granularity (keys have per-direction scales)
 
     def __init__(self, layer, spec):
         super().__init__(layer, spec)
         self.bases: tuple | None = None
+        self.widths: tuple | None = None  # (keys, values): (bits per subspace, directions per subspace)
         self.prerope = layer.plan.subspace_prerope
 
     @property
@@ -177,28 +184,37 @@ class SubspaceFormat(_PreRoPEFormat):
         return self.bases is not None
 
     def fit(self, keys, values):
-        rank = self.layer.plan.archive_rank
-        bases = []
-        for x in (keys, values):
-            b = fit_subspace(self._whole_groups(x), rank)
-            b.explained = b.explained[:, :0].clone()  # fit-time information only: hold nothing uncounted
+        p = self.layer.plan
+        bases, widths = [], []
+        for x, group, axis in ((keys, self.KEY_SUBSPACE, "channel"), (values, p.value_group_size or p.group_size, "token")):
+            b = fit_subspace(self._whole_groups(x), p.archive_rank)
+            group = min(group, b.rank)
+            if p.subspace_allocation:
+                bits = allocate_bits(b, self.bits * b.rank, group, axis)
+                rank = sum(min(group, b.rank - i * group) for i, w in enumerate(bits) if w)
+                bits = bits[: -(-rank // group)]
+            else:
+                bits, rank = self.bits, b.rank
+            b = SubspaceBasis(b.mean, b.basis[:, :, :rank].contiguous(), b.sigma[:, :rank].contiguous(),
+                              b.explained[:, :0].clone())  # explained: fit-time information, not held
             bases.append(b)
-        self.bases = tuple(bases)
+            widths.append((bits, group))
+        self.bases, self.widths = tuple(bases), tuple(widths)
 
     def encode(self, keys, values):
-        p = self.layer.plan
-        bk, bv = self.bases
-        vsub = min(p.value_group_size or p.group_size, bv.rank)
-        return QuantTier(
-            quantize_subspace_rows(keys, bk, self.bits, bk.rank, axis="channel", token_group=p.archive_group),
-            quantize_subspace_rows(values, bv, self.bits, vsub, axis="token", token_group=p.archive_group),
-        )
+        g = self.layer.plan.archive_group
+        (bk, bv), ((wk, gk), (wv, gv)) = self.bases, self.widths
+        qk = quantize_subspace_rows(keys, bk, wk, gk, axis="channel", token_group=g)
+        qv = quantize_subspace_rows(values, bv, wv, gv, axis="token", token_group=g)
+        qk.nominal_bits = qv.nominal_bits = self.bits
+        return QuantTier(qk, qv)
 
     def decode(self, q, start, rotated=False):
         return self._keys_back(dequantize_subspace_rows(q.keys), start), dequantize_subspace_rows(q.values)
 
     def adopt(self, q):
         self.bases = (q.keys.basis, q.values.basis)
+        self.widths = tuple((r.bits, r.bounds[0][1] - r.bounds[0][0]) for r in (q.keys, q.values))
 
 
 FORMAT_CLASSES: dict[str, type[ArchiveFormat]] = {"kivi": KIVIFormat, "kvquant": KVQuantFormat,

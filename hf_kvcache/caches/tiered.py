@@ -96,6 +96,9 @@ class TieredQuantOptions(CacheOptions):
       (the archive is then a `SegmentedTier`); every switch is listed in `memory_stats()["archive_switches"]`
     - archive_rank: subspace archive only: keep the leading `archive_rank` directions of each basis (1..head_dim;
       None: all): fewer codes for extreme ratios, the dropped directions read back as their mean
+    - subspace_allocation: subspace archive: spread the archive_bits x rank code bits of a token over subspaces of
+      directions by the fitted variances (reverse water-filling: leading directions get more bits, trailing ones
+      may get none and are dropped); False: archive_bits for every direction
     - subspace_prerope: subspace archive keys fitted and quantized before RoPE (undone with the model's RoPE, as
       the KVQuant archive does) or, False, as the model hands them over (post-RoPE)
     - adaptive_boundaries / adaptive_formats / adaptive_bits: the adaptive archive's switch positions (increasing),
@@ -130,6 +133,7 @@ class TieredQuantOptions(CacheOptions):
     archive_outliers: float = 0.01
     archive_rank: int | None = None
     subspace_prerope: bool = True
+    subspace_allocation: bool = True
     adaptive_boundaries: list = dataclasses.field(default_factory=lambda: [2048, 8192])
     adaptive_formats: list = dataclasses.field(default_factory=lambda: ["kivi", "subspace", "kvquant"])
     adaptive_bits: list = dataclasses.field(default_factory=lambda: [2, 2, 3])
@@ -173,6 +177,7 @@ class TieredQuantOptions(CacheOptions):
 
     def _check_archive_formats(self) -> None:
         check_bool("subspace_prerope", self.subspace_prerope)
+        check_bool("subspace_allocation", self.subspace_allocation)
         check_positive_int("archive_rank", self.archive_rank, allow_none=True)
         subspace = self.archive_quantizer == "subspace" or (
             self.archive_quantizer == "adaptive" and "subspace" in (self.adaptive_formats or []))

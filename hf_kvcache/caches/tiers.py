@@ -87,7 +87,7 @@ def format_of(q: QuantTier) -> tuple[str, int]:
     if isinstance(k, NUQQuantized):
         return "kvquant", k.codebook.bits
     if isinstance(k, SubspaceRows):
-        return "subspace", k.bits[0]
+        return "subspace", k.nominal_bits or k.bits[0]
     raise TypeError(f"unknown quantized tier type {type(k).__name__}")
 
 

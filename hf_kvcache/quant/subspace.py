@@ -271,6 +271,7 @@ class SubspaceRows(TokenRows):
     rank: int
     axis: str
     token_group: int
+    nominal_bits: int = 0  # the average width an allocation (`allocate_bits`) spread over the subspaces (0: bits[0])
 
     def __post_init__(self) -> None:  # JSON (the codec) gives lists back
         self.bits = tuple(int(b) for b in self.bits)
@@ -312,6 +313,47 @@ class SubspaceRows(TokenRows):
                 scales.append(self.scale[..., i : i + 1])
         return SubspaceQuantized(codes, scales, zeros, self.basis, self.bits, self.bounds, self.rank, self.axis,
                                  self.token_group)
+
+
+# expected squared error per unit variance for 0..8 bits (0 bits: the direction is dropped, read back as its mean):
+# the Gaussian-optimal uniform quantizer of axis "token" (`gaussian_step`), and KIVI's min/max quantizer of axis
+# "channel" over groups of 64 Gaussian samples (range about 5 sigma, error step**2 / 12: its 1 bit is worse than none)
+GAUSSIAN_MSE = (1.0, 0.3634, 0.1175, 0.03744, 0.01154, 0.00349, 0.00104, 0.000307, 0.0000890)
+MINMAX_MSE = (1.0, 2.08, 0.231, 0.0425, 0.00926, 0.00216, 0.000525, 0.000129, 0.0000320)
+
+
+def allocate_bits(basis: SubspaceBasis, budget: int, group_size: int, axis: str = "token",
+                  max_bits: int = 8) -> tuple[int, ...]:
+    """Bit widths per subspace of `group_size` consecutive directions spending at most `budget` code bits per token,
+    by greedy reverse water-filling on the basis' variances (averaged over KV heads, each head's normalized to sum
+    1): each step gives one or two more bits to the subspace whose expected error (`GAUSSIAN_MSE` / `MINMAX_MSE` by
+    `axis`) drops most per bit. Widths come out non-increasing; trailing subspaces may get 0 bits (drop them: the
+    rank of the codes)."""
+    mse = MINMAX_MSE if axis == "channel" else GAUSSIAN_MSE
+    var = basis.sigma.float().square()
+    var = (var / var.sum(-1, keepdim=True).clamp_min(1e-30)).mean(0)  # [rank]
+    bounds = [(s, min(s + group_size, var.numel())) for s in range(0, var.numel(), group_size)]
+    energy = [float(var[s:e].sum()) for s, e in bounds]
+    bits = [0] * len(bounds)
+    left = budget
+    while True:
+        best, gain = None, 0.0
+        for j, (s, e) in enumerate(bounds):
+            for step in (1, 2):
+                b, cost = bits[j] + step, step * (e - s)
+                if b > max_bits or cost > left:
+                    continue
+                g = energy[j] * (mse[bits[j]] - mse[b]) / cost
+                if g > gain:
+                    best, gain = (j, step), g
+        if best is None:
+            break
+        j, step = best
+        bits[j] += step
+        left -= step * (bounds[j][1] - bounds[j][0])
+    for j in range(1, len(bits)):  # keep widths non-increasing (a dropped subspace is never followed by a kept one)
+        bits[j] = min(bits[j], bits[j - 1])
+    return tuple(bits)
 
 
 def quantize_subspace_rows(x: torch.Tensor, basis: SubspaceBasis, bits: int | Sequence[int], group_size: int = 32,
