@@ -20,6 +20,10 @@ of channels, asymmetric min/max with fp16 scale and zero, codes bit-packed. Opti
 of the head dimension before quantizing (undone when dequantizing), clipping, and per-token keys (the ablation of
 KIVI's per-channel keys). The defaults are the measured best recipe (`python -m hf_kvcache.eval.tiered_bench`).
 
+The archive may use another format (`archive_quantizer`): each is one class of `caches.archive` (KIVI, KVQuant's
+nuq codes, codes in a fitted subspace basis), and "adaptive" picks one per archive group by position, the archive
+then being a `SegmentedTier` of per-format segments.
+
 `KIVICache` is the classic two-tier form: a full-precision residual window and one quantized tier.
 """
 
