@@ -121,6 +121,9 @@ def run_benchmark(
             row = {"cache": spec.label, **r.to_dict()}
             if hasattr(cache, "quality_metrics"):  # the online proxy, measured before the decode steps
                 row["proxy"] = cache.quality_metrics()["proxy"]
+            switches = cache.memory_stats().get("archive_switches") if hasattr(cache, "memory_stats") else None
+            if switches:  # an adaptive archive: where each layer changed format
+                row["archive_switches"] = switches
             if decode_steps:
                 row["decode_tokens_per_s"] = decode_tokens_per_s(model, cache, extra)
         rows.append(row)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import LlamaConfig
 
-import hf_kvcache.caches.tiered as tiered_mod
+import hf_kvcache.caches.archive as archive_mod
 from hf_kvcache import KIVICache, TieredQuantCache, build_cache, memory_stats
 from hf_kvcache.caches.tiered import KIVIOptions, TieredQuantLayer, TieredQuantOptions
 from random_kv import stream_random
@@ -121,13 +121,13 @@ def test_ratio_grows_with_the_archive():
 def test_append_only_quantizes_the_groups_that_move(monkeypatch):
     """O(new tokens): every quantize call sees one group of new tokens, never the stored tiers."""
     calls = []
-    real = tiered_mod.quantize_kivi
+    real = archive_mod.quantize_kivi
 
     def spy(x, **kw):
         calls.append((x.shape[2], kw["bits"]))
         return real(x, **kw)
 
-    monkeypatch.setattr(tiered_mod, "quantize_kivi", spy)
+    monkeypatch.setattr(archive_mod, "quantize_kivi", spy)  # the KIVI format quantizes
     cache = TieredQuantCache(config=tiny_config(), **SMALL)
     feed(cache, [1] * 300)
     assert calls and all(n == 16 for n, _ in calls)
@@ -219,7 +219,7 @@ def test_without_config_layers_are_created_lazily():
 @pytest.mark.parametrize(
     "options,match",
     [
-        (dict(archive_quantizer="hqq"), r"archive_quantizer='hqq' is not valid; choose one of \['kivi', 'kvquant'\]"),
+        (dict(archive_quantizer="hqq"), r"archive_quantizer='hqq' is not valid; choose one of \['kivi', 'kvquant', 'subspace', 'adaptive'\]"),
         (dict(key_axis="head"), r"key_axis='head' is not valid; choose one of \['channel', 'token'\]"),
         (dict(rotation="queries"), r"rotation='queries' is not valid; choose one of \['auto', 'none', 'keys', 'values', 'both'\]"),
         (dict(tail_dtype="int8"), r"tail_dtype='int8' is not valid; choose one of \['auto', None, 'float32'"),

@@ -20,6 +20,10 @@ of channels, asymmetric min/max with fp16 scale and zero, codes bit-packed. Opti
 of the head dimension before quantizing (undone when dequantizing), clipping, and per-token keys (the ablation of
 KIVI's per-channel keys). The defaults are the measured best recipe (`python -m hf_kvcache.eval.tiered_bench`).
 
+The archive may use another format (`archive_quantizer`): each is one class of `caches.archive` (KIVI, KVQuant's
+nuq codes, codes in a fitted subspace basis), and "adaptive" picks one per archive group by position, the archive
+then being a `SegmentedTier` of per-format segments.
+
 `KIVICache` is the classic two-tier form: a full-precision residual window and one quantized tier.
 """
 
@@ -32,8 +36,7 @@ from typing import Any
 import torch
 
 from ..options import CacheOptions, check_bool, check_choice, check_int, check_number, check_positive_int
-from ..quant.kivi import AXES, dequantize_kivi, quantize_kivi
-from ..quant.kvquant import NUQQuantized, dequantize_nuq, fit_codebook, quantize_nuq
+from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi
 from ..rope import KeyRotation
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
@@ -41,9 +44,10 @@ from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
 from ..calibrate.quality import QualityTracker
 from ..calibrate.thresholds import AdaptiveThresholds
 from .base import CompressedCache, CompressedLayer, memory_stats
-from .tiers import LayerTiers, PlainTier, QuantTier
+from .archive import ARCHIVE_FORMATS, FORMAT_CLASSES, ArchiveFormat, KIVIFormat
+from .tiers import LayerTiers, PlainTier, QuantTier, SegmentedTier, format_of
 
-QUANTIZERS = ("kivi", "kvquant")
+QUANTIZERS = (*ARCHIVE_FORMATS, "adaptive")
 ROTATIONS = ("auto", *ROTATION_CANDIDATES)
 TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
 ROTATION_DTYPES = (None, "bfloat16")
@@ -93,6 +97,23 @@ class TieredQuantOptions(CacheOptions):
       channel on the first positions archived, keys quantized before RoPE (undone with the model's RoPE, put
       back at read), the `archive_outliers` fraction of each token's most extreme entries kept exactly in fp16
     - archive_outliers: that fraction (kvquant only)
+      "subspace": codes in an orthogonal basis fitted per layer and KV head (PCA of the first positions archived,
+      `hf_kvcache.quant.subspace`): keys per direction over archive groups of tokens (pre-RoPE, see
+      subspace_prerope), values per token with one scale per subspace of `value_group_size or group_size`
+      directions; the bases (fp16 mean, basis, sigma) are counted in the bytes held.
+      "adaptive": the format of each archive group chosen by its position (the context length it is archived at):
+      `adaptive_formats[i]` at `adaptive_bits[i]` bits from `adaptive_boundaries[i - 1]` on (by default KIVI-2 below
+      2048 positions, subspace-2 up to 8192, KVQuant-3 beyond); groups archived before a switch keep their format
+      (the archive is then a `SegmentedTier`); every switch is listed in `memory_stats()["archive_switches"]`
+    - archive_rank: subspace archive only: keep the leading `archive_rank` directions of each basis (1..head_dim;
+      None: all): fewer codes for extreme ratios, the dropped directions read back as their mean
+    - subspace_allocation: subspace archive: spread the archive_bits x rank code bits of a token over subspaces of
+      directions by the fitted variances (reverse water-filling: leading directions get more bits, trailing ones
+      may get none and are dropped); False: archive_bits for every direction
+    - subspace_prerope: subspace archive keys fitted and quantized before RoPE (undone with the model's RoPE, as
+      the KVQuant archive does) or, False, as the model hands them over (post-RoPE)
+    - adaptive_boundaries / adaptive_formats / adaptive_bits: the adaptive archive's switch positions (increasing),
+      and the format names ("kivi", "subspace", "kvquant") and widths (1..8), one more than boundaries
     - key_axis: "channel" (KIVI) or "token" (ablation: keys quantized per token like values)
     - rotation: randomized Hadamard rotation of the head dim before quantizing: "none", "keys", "values", "both",
       or "auto": each layer picks one of those from its own keys, values and queries on its first prefill
@@ -129,6 +150,12 @@ class TieredQuantOptions(CacheOptions):
     sink_length: int = 4
     archive_quantizer: str = "kivi"
     archive_outliers: float = 0.01
+    archive_rank: int | None = None
+    subspace_prerope: bool = True
+    subspace_allocation: bool = True
+    adaptive_boundaries: list = dataclasses.field(default_factory=lambda: [2048, 8192])
+    adaptive_formats: list = dataclasses.field(default_factory=lambda: ["kivi", "subspace", "kvquant"])
+    adaptive_bits: list = dataclasses.field(default_factory=lambda: [2, 2, 3])
     key_axis: str = "channel"
     rotation: str = "auto"
     rotation_dtype: str | None = "bfloat16"
@@ -148,6 +175,7 @@ class TieredQuantOptions(CacheOptions):
         check_int("archive_bits", self.archive_bits, 1, 8)
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
         check_number("archive_outliers", self.archive_outliers, 0.0, 0.5, hi_open=True)
+        self._check_archive_formats()
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
         check_positive_int("calibration_queries", self.calibration_queries)
@@ -182,6 +210,34 @@ class TieredQuantOptions(CacheOptions):
     def for_sliding(self) -> "TieredQuantOptions":
         """The options a sliding-window layer runs with: `sliding` laid over these, and no sinks."""
         return dataclasses.replace(self, sliding=None, sink_length=0, **(self.sliding or {}))
+
+    def _check_archive_formats(self) -> None:
+        check_bool("subspace_prerope", self.subspace_prerope)
+        check_bool("subspace_allocation", self.subspace_allocation)
+        check_positive_int("archive_rank", self.archive_rank, allow_none=True)
+        subspace = self.archive_quantizer == "subspace" or (
+            self.archive_quantizer == "adaptive" and "subspace" in (self.adaptive_formats or []))
+        if self.archive_rank is not None and not subspace:
+            raise ValueError(f"archive_rank={self.archive_rank} truncates the subspace archive's bases: set "
+                             "archive_quantizer='subspace' (or an adaptive archive with a subspace format), or "
+                             "archive_rank=None")
+        if self.archive_quantizer != "adaptive":
+            return
+        b, f, w = self.adaptive_boundaries, self.adaptive_formats, self.adaptive_bits
+        for name, v in (("adaptive_boundaries", b), ("adaptive_formats", f), ("adaptive_bits", w)):
+            if not isinstance(v, list):
+                raise ValueError(f"{name} must be a JSON list, got {type(v).__name__}")
+        if not b or any(not isinstance(x, int) or isinstance(x, bool) or x <= 0 for x in b) or any(
+                x >= y for x, y in zip(b, b[1:])):
+            raise ValueError(f"adaptive_boundaries={b} must be increasing positive positions, e.g. [2048, 8192]")
+        if len(f) != len(b) + 1 or len(w) != len(b) + 1:
+            raise ValueError(f"adaptive_formats ({len(f)}) and adaptive_bits ({len(w)}) need one entry per range "
+                             f"that adaptive_boundaries={b} makes ({len(b) + 1}), e.g. formats "
+                             "['kivi', 'subspace', 'kvquant'] and bits [2, 2, 3]")
+        for name in f:
+            check_choice("adaptive_formats entry", name, ARCHIVE_FORMATS)
+        for bits in w:
+            check_int("adaptive_bits entry", bits, 1, 8)
 
     @property
     def archive_group(self) -> int:
@@ -230,6 +286,12 @@ class _TierSpec:
     value_group: int  # channels per value group
 
 
+def needs_rope(p: TieredQuantOptions) -> bool:
+    """Whether the archive options quantize keys before RoPE (and so need the model's RoPE)."""
+    names = p.adaptive_formats if p.archive_quantizer == "adaptive" else [p.archive_quantizer]
+    return "kvquant" in names or ("subspace" in names and p.subspace_prerope)
+
+
 class TieredQuantLayer(CompressedLayer):
     """One layer's archive / warm / tail storage plus the sink overlay (see the module docstring).
 
@@ -259,10 +321,13 @@ class TieredQuantLayer(CompressedLayer):
         self.is_sliding = sliding_window is not None
         self.dropped = 0
         self.tiers = LayerTiers()
-        # a KVQuant archive: the (keys, values) codebooks fitted on the first positions archived, and the model's
-        # RoPE its keys are un-rotated with (set by the cache from the model config)
-        self.codebooks: tuple | None = None
+        # the archive formats by name ("warm": the warm tier's KIVI codes); their fitted state (KVQuant codebooks,
+        # subspace bases) is fitted on the first positions archived and kept for later sequences; and the model's
+        # RoPE the pre-RoPE formats un-rotate keys with (set by the cache from the model config)
+        self.formats: dict[str, ArchiveFormat] = {}
         self.rope: KeyRotation | None = None
+        self.switches: list[dict] = []  # adaptive archive: {position, from, to} of every format switch
+        self._in_flight = 0
         self.quality = QualityTracker()  # error of every block quantized in this sequence (`quality_metrics`)
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
@@ -307,9 +372,14 @@ class TieredQuantLayer(CompressedLayer):
         else:
             self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
-        if self._nuq_archive() and self.rope is None:
-            raise ValueError("archive_quantizer='kvquant' undoes RoPE with the model's rope_theta: build the cache "
-                             "with the model config, TieredQuantCache(config=model.config, ...)")
+        self.formats["warm"] = KIVIFormat(self, self.specs["warm"])
+        if needs_rope(p) and self.rope is None:
+            raise ValueError(f"archive_quantizer={p.archive_quantizer!r} undoes RoPE with the model's rope_theta: "
+                             "build the cache with the model config, TieredQuantCache(config=model.config, ...)")
+        for name, dim in (("head_dim", head_dim), ("value head_dim", value_dim)):
+            if p.archive_rank is not None and p.archive_rank > dim:
+                raise ValueError(f"archive_rank={p.archive_rank} exceeds the {name} {dim}: choose at most {dim}, or "
+                                 "None (every direction)")
         if self.recipe is None and p.rotation != "auto":
             self.recipe = LayerRecipe(p.rotation)
         self.calibrating = self.recipe is None and len(self._rotation_candidates()) > 1 and bool(self._kivi_tiers())
@@ -389,8 +459,8 @@ class TieredQuantLayer(CompressedLayer):
             k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
         return k_out, v_out
 
-    def _qargs(self, tier: str) -> tuple[dict, dict]:
-        p, spec = self.plan, self.specs[tier]
+    def _qargs(self, tier) -> tuple[dict, dict]:
+        p, spec = self.plan, (self.specs[tier] if isinstance(tier, str) else tier)
         clip = dict(clip_ratio=p.clip_ratio, clip_search=p.clip_search)
         k_clip = clip if p.clip_on in ("keys", "both") else {}
         v_clip = clip if p.clip_on in ("values", "both") else {}
@@ -402,10 +472,11 @@ class TieredQuantLayer(CompressedLayer):
     supports_sliding = True
 
     def reset(self) -> None:
-        """Forget the held tokens; a recipe chosen by calibration and fitted codebooks stay (they belong to the
-        model, not the text)."""
+        """Forget the held tokens; a recipe chosen by calibration and fitted codebooks / bases stay (they belong to
+        the model, not the text)."""
         super().reset()
         self.tiers = LayerTiers()
+        self.switches = []
         self.quality.reset()
         self.plan = self._plan()
         self.dropped = 0
@@ -425,10 +496,28 @@ class TieredQuantLayer(CompressedLayer):
         return self.tiers.state()[1]
 
     def load_tiers(self, tiers: LayerTiers) -> None:
-        """Put back tiers read from `state_tensors` / `tiers.state()` (the codec's restore), codebooks included."""
+        """Put back tiers read from `state_tensors` / `tiers.state()` (the codec's restore), the formats' fitted
+        state (codebooks, bases) and the adaptive archive's switches included."""
         self.tiers = tiers
-        if tiers.archive is not None and isinstance(tiers.archive.keys, NUQQuantized):
-            self.codebooks = (tiers.archive.keys.codebook, tiers.archive.values.codebook)
+        self.switches = []
+        pos, prev = self._tier_starts()["archive"], None
+        for q in self._segments(tiers.archive):
+            name, bits = format_of(q)
+            self._archive_format(name, bits).adopt(q)
+            label = f"{name}-{bits}"
+            if prev is not None and prev != label:
+                self.switches.append({"position": pos, "from": prev, "to": label})
+            pos, prev = pos + q.tokens, label
+
+    @property
+    def codebooks(self) -> tuple | None:
+        """The KVQuant archive's (keys, values) codebooks, once fitted."""
+        f = self.formats.get("kvquant")
+        return None if f is None else f.codebooks
+
+    @staticmethod
+    def _segments(q) -> list[QuantTier]:
+        return [] if q is None else q.segments()
 
     def held_tensors(self) -> list[torch.Tensor]:
         """The stored tiers (codebooks included) plus the rotation matrices (and their transposes) the layer reads
@@ -474,54 +563,73 @@ class TieredQuantLayer(CompressedLayer):
         return x
 
     def _nuq_archive(self) -> bool:
-        return self.plan.archive_quantizer == "kvquant"
+        """Whether the archive may hold another format than KIVI (calibrated rotations apply to KIVI tiers only)."""
+        return self.plan.archive_quantizer != "kivi"
+
+    def _archive_format(self, name: str, bits: int) -> ArchiveFormat:
+        """The layer's `name` format at `bits` bits (kept, with its fitted state, while its spec stays the same)."""
+        spec = dataclasses.replace(self.specs["arch"], bits=bits)
+        f = self.formats.get(name)
+        if f is None or f.spec != spec:
+            f = self.formats[name] = FORMAT_CLASSES[name](self, spec)
+        return f
+
+    def _format_at(self, start: int) -> ArchiveFormat:
+        """The format of the archive group starting at position `start` (adaptive: chosen by that position)."""
+        p = self.plan
+        if p.archive_quantizer != "adaptive":
+            return self._archive_format(p.archive_quantizer, self.specs["arch"].bits)
+        i = sum(start >= b for b in p.adaptive_boundaries)
+        return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
+
+    def _format_runs(self, start: int, n: int) -> list[tuple[int, int, ArchiveFormat]]:
+        """Positions `start..start+n` (whole archive groups) as runs (offset, length, format) of one format each."""
+        g, runs = self.plan.archive_group, []
+        for off in range(0, n, g):
+            f = self._format_at(start + off)
+            if runs and runs[-1][2] is f:
+                runs[-1] = (runs[-1][0], runs[-1][1] + min(g, n - off), f)
+            else:
+                runs.append((off, min(g, n - off), f))
+        return runs
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str, start: int = 0, rotated: bool = False,
                   track: bool = False) -> QuantTier:
-        """Quantize positions `start..` for `tier` ("warm" or "arch"): KIVI codes in the rotated basis (`rotated`:
-        the input is in it already), or, for a KVQuant archive, nuq codes of the pre-RoPE keys and of the values.
-        `track`: add the block's error to `quality` (blocks stored, not calibration round trips)."""
-        if tier == "arch" and self._nuq_archive():
-            if self.codebooks is None:
-                self._fit_codebooks(keys, values, start)
-            keys, values = self.rope.derotate(keys, start), values.float()
-            q = QuantTier(quantize_nuq(keys, self.codebooks[0]), quantize_nuq(values, self.codebooks[1]))
-        else:
-            if self.rot_k is not None and not rotated:
-                keys = keys.float() @ self.rot_k.float()
-            if self.rot_v is not None and not rotated:
-                values = values.float() @ self.rot_v.float()
-            ka, va = self._qargs(tier)
-            q = QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
+        """Quantize positions `start..` for `tier` ("warm": KIVI codes; "arch": the archive format of `start`,
+        fitted first if it needs fitting and is not yet): KIVI codes in the rotated basis (`rotated`: the input is
+        in it already), or nuq / subspace codes of the pre-RoPE keys and of the values. `track`: add the block's
+        error to `quality` (blocks stored, not calibration round trips), measured where the codes live."""
+        fmt = self.formats["warm"] if tier == "warm" else self._format_at(start)
+        if not fmt.fitted:
+            self._fit_archive(fmt, keys, values, start)
+        keys, values = fmt.prepare(keys, values, start, rotated)
+        q = fmt.encode(keys, values)
         if track:
             self.quality.record("archive" if tier == "arch" else tier, keys, values, q.keys, q.values)
         return q
 
-    def _fit_codebooks(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
-        """Per KV head and channel nuq levels (`hf_kvcache.quant.kvquant`) fitted on positions `start..` (the first
-        ones archived, and while there is one, the warm tier after them), kept for later sequences too."""
-        p, g = self.plan, self.plan.archive_group
-        if self.tiers.warm is not None:
-            wk, wv = self._dequantize(self.tiers.warm, start + keys.shape[2])
+    def _fit_archive(self, fmt: ArchiveFormat, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
+        """Fit `fmt` (KVQuant codebooks, subspace bases) on positions `start..` (the first ones archived, and, when
+        it follows them, the warm tier after them); kept for later sequences too."""
+        warm, end = self.tiers.warm, start + keys.shape[2]
+        if warm is not None and self._tier_starts()["warm"] + self._in_flight == end:
+            wk, wv = self._dequantize(warm, end)
             keys, values = torch.cat([keys.float(), wk], 2), torch.cat([values.float(), wv], 2)
-        n = keys.shape[2] // g * g
-        bits = self.specs["arch"].bits
-        self.codebooks = (
-            fit_codebook(self.rope.derotate(keys[:, :, :n], start), bits, "channel", g, p.archive_outliers),
-            fit_codebook(values[:, :, :n].float(), bits, "token", p.value_group_size, p.archive_outliers),
-        )
+        fmt.fit(*fmt.prepare(keys, values, start))
 
-    def _dequantize(self, q: QuantTier, start: int, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def _dequantize(self, q, start: int, rotated: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """Float32 keys and values of (a slice of) a quantized tier that starts at position `start` (KIVI tiers still
-        rotated when `rotated`)."""
-        if isinstance(q.keys, NUQQuantized):
-            return self.rope.rotate(dequantize_nuq(q.keys), start), dequantize_nuq(q.values)
-        keys, values = dequantize_kivi(q.keys), dequantize_kivi(q.values)
-        if not rotated:  # un-rotated exactly as `materialize_into` does it, so a reopened group reads back what attention saw
-            dt = self.rot_dtype
-            keys = keys if self.rot_k is None else (keys.to(dt) @ self.unrot_k).float()
-            values = values if self.rot_v is None else (values.to(dt) @ self.unrot_v).float()
-        return keys, values
+        rotated when `rotated`); a `SegmentedTier` segment by segment."""
+        if isinstance(q, SegmentedTier):
+            parts, pos = [], start
+            for seg in q.parts:
+                parts.append(self._dequantize(seg, pos, rotated))
+                pos += seg.tokens
+            return torch.cat([k for k, _ in parts], 2), torch.cat([v for _, v in parts], 2)
+        if isinstance(q.keys, KIVIQuantized):
+            return self.formats["warm"].decode(q, start, rotated)
+        name, bits = format_of(q)
+        return self._archive_format(name, bits).decode(q, start, rotated)
 
     def _tier_starts(self) -> dict[str, int]:
         a = self.dropped
@@ -564,7 +672,9 @@ class TieredQuantLayer(CompressedLayer):
         start = self.dropped + t.tokens("archive") + t.tokens("warm")
         keys, values = self._mask_outside(keys, start), self._mask_outside(values, start)
         if p.warm_length == 0:
-            self._append_archive(self._quantize(keys, values, "arch", start, track=True))
+            for off, n, _ in self._format_runs(start, keys.shape[2]):
+                k, v = keys[:, :, off : off + n], values[:, :, off : off + n]
+                self._append_archive(self._quantize(k, v, "arch", start + off, track=True), start + off)
             return
         q = self._quantize(keys, values, "warm", track=True)
         t.warm = q if t.warm is None else t.warm.cat(q)
@@ -574,15 +684,19 @@ class TieredQuantLayer(CompressedLayer):
             return
         m = excess // ga * ga
         old, t.warm = t.warm.slice(0, m), t.warm.slice(m)
-        if self.specs["warm"] == self.specs["arch"] and not self._nuq_archive():
-            self._append_archive(old)
-            return
-        # re-quantized from the warm values (full precision is gone by now): in the rotated basis for KIVI, as plain
-        # keys for a KVQuant archive (which undoes their RoPE)
         start = self._tier_starts()["archive"] + t.tokens("archive")
-        rotated = not self._nuq_archive()
-        rk, rv = self._dequantize(old, start, rotated=rotated)
-        self._append_archive(self._quantize(rk, rv, "arch", start, rotated=rotated, track=True))
+        for off, n, fmt in self._format_runs(start, m):
+            self._in_flight = m - off  # positions between the archive's end and the warm tier (`_fit_archive`)
+            block = old.slice(off, off + n) if n < m else old
+            if fmt.moves(self.specs["warm"]):  # same KIVI codes: moved as they are
+                self._append_archive(block, start + off)
+                continue
+            # re-quantized from the warm values (full precision is gone by now): in the rotated basis for KIVI, as
+            # plain keys for the fitted formats (which undo their RoPE)
+            rk, rv = self._dequantize(block, start + off, rotated=fmt.rotated)
+            q = self._quantize(rk, rv, "arch", start + off, rotated=fmt.rotated, track=True)
+            self._append_archive(q, start + off)
+        self._in_flight = 0
 
     def _warm_target(self) -> int:
         """Positions the warm tier keeps now: warm_length, or warm_fraction of the positions seen (of the window)."""
@@ -590,8 +704,13 @@ class TieredQuantLayer(CompressedLayer):
         seen = self.cumulative_length if self.sliding_window is None else min(self.cumulative_length, self.sliding_window)
         return max(p.warm_length, int(p.warm_fraction * seen) // p.group_size * p.group_size)
 
-    def _append_archive(self, q: QuantTier) -> None:
+    def _append_archive(self, q: QuantTier, start: int) -> None:
+        """`q` (positions `start..`) after the archive; a change of format is recorded in `switches`."""
         t = self.tiers
+        if t.archive is not None:
+            before, now = format_of(self._segments(t.archive)[-1]), format_of(q)
+            if before != now:
+                self.switches.append({"position": start, "from": "%s-%d" % before, "to": "%s-%d" % now})
         t.archive = q if t.archive is None else t.archive.cat(q)
 
     def _drop_outside_window(self) -> None:
@@ -612,15 +731,13 @@ class TieredQuantLayer(CompressedLayer):
         """Dequantize archive then warm into the first positions of `out_k` / `out_v`; returns how many.
 
         A rotated KIVI tier is dequantized into a contiguous scratch buffer (in `rotation_dtype`) and un-rotated with
-        one matmul over all its tokens, written back into `out`; a KVQuant archive gets its RoPE back."""
-        pos, starts = 0, self._tier_starts()
-        for name in ("archive", "warm"):
-            q = getattr(self.tiers, name)
-            if q is None:
-                continue
+        one matmul over all its tokens, written back into `out`; the other formats are decoded (RoPE put back)."""
+        pos, start = 0, self._tier_starts()["archive"]
+        for q in [*self._segments(self.tiers.archive), *self._segments(self.tiers.warm)]:
             n = q.tokens
-            if isinstance(q.keys, NUQQuantized):
-                k, v = self._dequantize(q, starts[name])
+            start += n
+            if not isinstance(q.keys, KIVIQuantized):
+                k, v = self._dequantize(q, start - n)
                 out_k[:, :, pos : pos + n].copy_(k)
                 out_v[:, :, pos : pos + n].copy_(v)
                 pos += n
@@ -654,12 +771,14 @@ class TieredQuantLayer(CompressedLayer):
         sinks as an overlay of the positions they replace in a quantized tier (while the sinks are still in the tail,
         the tail holds them exactly and no overlay is needed). Rotated tiers carry their rotation: the attention
         rotates the queries instead of un-rotating the keys. None (the layer then hands over dequantized tensors)
-        for the per-token-keys ablation and a KVQuant archive."""
+        for the per-token-keys ablation and an archive that holds another format than KIVI."""
         t = self.tiers
-        if self.plan.key_axis != "channel" or self.head_dim != self.value_dim or self._nuq_archive():
+        quantized = [*self._segments(t.archive), *self._segments(t.warm)]
+        if (self.plan.key_axis != "channel" or self.head_dim != self.value_dim
+                or any(not isinstance(q.keys, KIVIQuantized) for q in quantized)):
             return None
         segments = []
-        for q in (t.archive, t.warm):
+        for q in quantized:
             if q is not None:
                 k, v = q.keys, q.values
                 segments.append(QuantSegment(k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, k.bits, v.bits,
@@ -700,6 +819,8 @@ class TieredQuantLayer(CompressedLayer):
         end = self.tokens_held()
         if t.tokens("sink") > end:
             t.sink = t.sink.slice(0, end) if end else None
+        archive_end = self._tier_starts()["warm"]  # switches past the archive's new end are undone
+        self.switches = [s for s in self.switches if s["position"] < archive_end]
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def tier_stats(self) -> dict[str, dict[str, int]]:
@@ -736,14 +857,15 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
 
     def __init__(self, config=None, **options: Any) -> None:
         super().__init__(config, **options)
-        if config is not None and getattr(self.options, "archive_quantizer", "kivi") == "kvquant":
+        if config is not None and isinstance(self.options, TieredQuantOptions) and needs_rope(self.options):
             text = config.get_text_config(decoder=True)
             types = getattr(text, "layer_types", None) or [None] * len(self.layers)
             for layer, layer_type in zip(self.layers, types):
                 if isinstance(layer, TieredQuantLayer):
-                    layer.rope = KeyRotation.from_config(config, layer_type=layer_type,
-                                                         user="archive_quantizer='kvquant'",
-                                                         instead="archive_quantizer='kivi'")
+                    layer.rope = KeyRotation.from_config(
+                        config, layer_type=layer_type, user=f"archive_quantizer={self.options.archive_quantizer!r}",
+                        instead="archive_quantizer='kivi'" + (
+                            " or subspace_prerope=False" if self.options.archive_quantizer == "subspace" else ""))
         recipes = getattr(self.options, "recipes", None)
         if recipes is not None:
             if len(recipes) != len(self.layers):
@@ -783,6 +905,8 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
                     tiers[tier]["bytes"] += d["bytes"]
                     tiers[tier]["tokens"] = max(tiers[tier]["tokens"], d["tokens"])
         stats["tiers"] = tiers
+        stats["archive_switches"] = [{"layer": i, **sw} for i, layer in enumerate(self.layers)
+                                     if isinstance(layer, TieredQuantLayer) for sw in layer.switches]
         return stats
 
 

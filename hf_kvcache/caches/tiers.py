@@ -1,5 +1,6 @@
-"""Typed storage of the tiered layers: full-precision tiers (`PlainTier`), quantized tiers (`QuantTier`) and the four
-tiers of one layer (`LayerTiers`: sink, archive, warm, tail).
+"""Typed storage of the tiered layers: full-precision tiers (`PlainTier`), quantized tiers (`QuantTier`), a quantized
+tier made of consecutive segments of different formats (`SegmentedTier`: the adaptive archive) and the four tiers of
+one layer (`LayerTiers`: sink, archive, warm, tail).
 
 Every tensor is laid out `[batch, kv_heads, rows, ...]`: batch-dim operations (beam reordering, row selection) map
 over all of them with `map_rows`. `LayerTiers.state()` / `LayerTiers.from_state()` turn the tiers into named tensors
@@ -16,8 +17,9 @@ import torch
 
 from ..quant.kivi import KIVIQuantized
 from ..quant.kvquant import NUQCodebook, NUQQuantized
+from ..quant.subspace import SubspaceBasis, SubspaceRows
 
-Quantized = Union[KIVIQuantized, NUQQuantized]
+Quantized = Union[KIVIQuantized, NUQQuantized, SubspaceRows]
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 
 
@@ -67,13 +69,76 @@ class QuantTier:
         """Tokens `start:stop` (on group boundaries), copied."""
         return QuantTier(self.keys.slice(start, stop).clone(), self.values.slice(start, stop).clone())
 
-    def cat(self, other: "QuantTier") -> "QuantTier":
-        return QuantTier(self.keys.cat(other.keys), self.values.cat(other.values))
+    def cat(self, other: "QuantTier | SegmentedTier") -> "QuantTier | SegmentedTier":
+        """`self` followed by `other`: one tier when both have the same format, else a `SegmentedTier`."""
+        if isinstance(other, QuantTier) and format_of(self) == format_of(other):
+            return QuantTier(self.keys.cat(other.keys), self.values.cat(other.values))
+        return SegmentedTier([self]).cat(other)
+
+    def segments(self) -> list["QuantTier"]:
+        return [self]
 
 
-Tier = Union[PlainTier, QuantTier]
+def format_of(q: QuantTier) -> tuple[str, int]:
+    """(format name, bit width) of a quantized tier: "kivi", "kvquant" or "subspace"."""
+    k = q.keys
+    if isinstance(k, KIVIQuantized):
+        return "kivi", k.bits
+    if isinstance(k, NUQQuantized):
+        return "kvquant", k.codebook.bits
+    if isinstance(k, SubspaceRows):
+        return "subspace", k.nominal_bits or k.bits[0]
+    raise TypeError(f"unknown quantized tier type {type(k).__name__}")
+
+
+@dataclass
+class SegmentedTier:
+    """Consecutive quantized segments of different formats, oldest first (the adaptive archive: positions archived
+    before a format switch keep their format). Behaves as one tier: slicing crosses segments (on group boundaries),
+    `cat` extends the last segment when the format is the same and starts a new one otherwise."""
+
+    parts: list[QuantTier]
+
+    @property
+    def tokens(self) -> int:
+        return sum(q.tokens for q in self.parts)
+
+    def segments(self) -> list[QuantTier]:
+        return list(self.parts)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [x for q in self.parts for x in q.tensors()]
+
+    def map_rows(self, fn: RowFn) -> "SegmentedTier":
+        return SegmentedTier([q.map_rows(fn) for q in self.parts])
+
+    def slice(self, start: int, stop: int | None = None) -> "QuantTier | SegmentedTier":
+        stop = self.tokens if stop is None else stop
+        out, lo = [], 0
+        for q in self.parts:
+            hi = lo + q.tokens
+            a, b = max(start, lo), min(stop, hi)
+            if a < b:
+                out.append(q.slice(a - lo, b - lo))
+            lo = hi
+        if not out:
+            raise ValueError(f"empty slice {start}:{stop} of a {self.tokens}-token tier")
+        return out[0] if len(out) == 1 else SegmentedTier(out)
+
+    def cat(self, other: "QuantTier | SegmentedTier") -> "SegmentedTier":
+        parts = list(self.parts)
+        for q in other.segments():
+            if format_of(parts[-1]) == format_of(q):
+                parts[-1] = QuantTier(parts[-1].keys.cat(q.keys), parts[-1].values.cat(q.values))
+            else:
+                parts.append(q)
+        return SegmentedTier(parts)
+
+
+Tier = Union[PlainTier, QuantTier, SegmentedTier]
 TIER_NAMES = ("sink", "archive", "warm", "tail")  # sink overlays the first positions; then oldest to newest
-_TYPES = {c.__name__: c for c in (PlainTier, QuantTier, KIVIQuantized, NUQQuantized, NUQCodebook)}
+_TYPES = {c.__name__: c for c in (PlainTier, QuantTier, SegmentedTier, KIVIQuantized, NUQQuantized, NUQCodebook,
+                                  SubspaceRows, SubspaceBasis)}
 
 
 @dataclass
@@ -81,7 +146,7 @@ class LayerTiers:
     """The tiers of one layer; an empty tier is None."""
 
     sink: PlainTier | None = None
-    archive: QuantTier | None = None
+    archive: QuantTier | SegmentedTier | None = None
     warm: QuantTier | None = None
     tail: PlainTier | None = None
 
@@ -136,6 +201,8 @@ def _flatten(obj: Any, prefix: str, tensors: dict[str, torch.Tensor]) -> dict[st
             tensors[key] = v.detach().cpu().contiguous()
         elif dataclasses.is_dataclass(v):
             meta[f.name] = _flatten(v, key, tensors)
+        elif isinstance(v, list) and v and all(dataclasses.is_dataclass(x) for x in v):  # SegmentedTier.parts
+            meta[f.name] = [_flatten(x, f"{key}.{i}", tensors) for i, x in enumerate(v)]
         else:
             meta[f.name] = v
     return meta
@@ -152,6 +219,9 @@ def _unflatten(meta: dict[str, Any], prefix: str, tensors: dict[str, torch.Tenso
             kwargs[f.name] = tensors[key].to(device)
         elif isinstance(meta.get(f.name), dict):
             kwargs[f.name] = _unflatten(meta[f.name], key, tensors, device)
+        elif isinstance(meta.get(f.name), list) and meta[f.name] and all(
+                isinstance(x, dict) and "type" in x for x in meta[f.name]):
+            kwargs[f.name] = [_unflatten(x, f"{key}.{i}", tensors, device) for i, x in enumerate(meta[f.name])]
         elif f.name in meta:
             kwargs[f.name] = meta[f.name]
         else:

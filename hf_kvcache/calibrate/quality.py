@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..quant.kivi import KIVIQuantized, dequantize_kivi
-from ..quant.kvquant import dequantize_nuq
+from ..quant.kvquant import NUQQuantized, dequantize_nuq
+from ..quant.subspace import SubspaceRows, dequantize_subspace_rows
 
 
 @dataclass
@@ -38,7 +39,13 @@ class TierError:
 
 
 def _decode(q) -> torch.Tensor:
-    return dequantize_kivi(q) if isinstance(q, KIVIQuantized) else dequantize_nuq(q)
+    if isinstance(q, KIVIQuantized):
+        return dequantize_kivi(q)
+    if isinstance(q, NUQQuantized):
+        return dequantize_nuq(q)
+    if isinstance(q, SubspaceRows):
+        return dequantize_subspace_rows(q)
+    raise TypeError(f"cannot decode {type(q).__name__}")
 
 
 @dataclass
@@ -48,7 +55,7 @@ class QualityTracker:
     tiers: dict[str, TierError] = field(default_factory=dict)
 
     def record(self, tier: str, keys: torch.Tensor, values: torch.Tensor, q_keys, q_values) -> None:
-        """`keys`/`values` as they were quantized (float) and their codes (`KIVIQuantized` / `NUQQuantized`)."""
+        """`keys`/`values` as they were quantized (float) and their codes (`KIVIQuantized` / `NUQQuantized` / `SubspaceRows`)."""
         e = self.tiers.setdefault(tier, TierError())
         kf, vf = keys.float(), values.float()
         e.key_err += float((_decode(q_keys) - kf).square().sum())

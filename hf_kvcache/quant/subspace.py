@@ -27,7 +27,8 @@ from functools import lru_cache
 import torch
 
 from .kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
-from .packing import pack_bits, unpack_bits
+from .packing import pack_bits, packed_length, unpack_bits
+from .rows import TokenRows
 
 _F16 = torch.float16
 
@@ -248,6 +249,123 @@ def dequantize_subspace(q: SubspaceQuantized, dtype: torch.dtype = torch.float32
     return (z @ v.transpose(-1, -2)[None] + q.basis.mean.float()[None, :, None]).to(dtype)
 
 
+@dataclass
+class SubspaceRows(TokenRows):
+    """A `SubspaceQuantized` with its subspaces side by side, one tensor per field, laid out in token-aligned rows
+    (`quant.rows.TokenRows`): slicing along tokens, concatenation and batch mapping (beam reordering) work as for
+    the other formats, and the codec flattens it like any dataclass of tensors. The tiered cache's subspace archive
+    stores this.
+
+    codes: uint8 `[..., tokens, sum of packed(n_g)]`; scale: fp16 `[..., tokens, subspaces]` (axis "token") or
+    `[..., tokens // token_group, rank]` (axis "channel"); zero: fp16 `[..., tokens // token_group, rank]` (channel)
+    or `[..., tokens, 0]` (token); basis: the shared `SubspaceBasis`; bits, bounds, rank, axis, token_group: as in
+    `SubspaceQuantized`.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    basis: SubspaceBasis
+    bits: tuple
+    bounds: tuple
+    rank: int
+    axis: str
+    token_group: int
+    nominal_bits: int = 0  # the average width an allocation (`allocate_bits`) spread over the subspaces (0: bits[0])
+
+    def __post_init__(self) -> None:  # JSON (the codec) gives lists back
+        self.bits = tuple(int(b) for b in self.bits)
+        self.bounds = tuple((int(s), int(e)) for s, e in self.bounds)
+
+    def row_fields(self) -> dict[str, int]:
+        per = self.token_group if self.axis == "channel" else 1
+        return {"codes": 1, "scale": per, "zero": per}
+
+    def data_tensors(self) -> list[torch.Tensor]:
+        return [self.codes, self.scale, self.zero]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Everything needed to decode, the basis included (shared by every block of a layer)."""
+        return self.data_tensors() + self.basis.tensors()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors())
+
+    @classmethod
+    def of(cls, q: SubspaceQuantized) -> "SubspaceRows":
+        lead = q.codes[0].shape[:-1]
+        zero = torch.cat(q.zero, -1) if q.zero else q.scale[0].new_zeros(*lead, 0)
+        return cls(torch.cat(q.codes, -1), torch.cat(q.scale, -1), zero, q.basis, q.bits, q.bounds, q.rank, q.axis,
+                   q.token_group)
+
+    def split(self) -> SubspaceQuantized:
+        """The per-subspace form `dequantize_subspace` reads (views)."""
+        codes, scales, zeros, c = [], [], [], 0
+        for i, ((s, e), b) in enumerate(zip(self.bounds, self.bits)):
+            n = packed_length(e - s, b)
+            codes.append(self.codes[..., c : c + n])
+            c += n
+            if self.axis == "channel":
+                scales.append(self.scale[..., s:e])
+                zeros.append(self.zero[..., s:e])
+            else:
+                scales.append(self.scale[..., i : i + 1])
+        return SubspaceQuantized(codes, scales, zeros, self.basis, self.bits, self.bounds, self.rank, self.axis,
+                                 self.token_group)
+
+
+# expected squared error per unit variance for 0..8 bits (0 bits: the direction is dropped, read back as its mean):
+# the Gaussian-optimal uniform quantizer of axis "token" (`gaussian_step`), and KIVI's min/max quantizer of axis
+# "channel" over groups of 64 Gaussian samples (range about 5 sigma, error step**2 / 12: its 1 bit is worse than none)
+GAUSSIAN_MSE = (1.0, 0.3634, 0.1175, 0.03744, 0.01154, 0.00349, 0.00104, 0.000307, 0.0000890)
+MINMAX_MSE = (1.0, 2.08, 0.231, 0.0425, 0.00926, 0.00216, 0.000525, 0.000129, 0.0000320)
+
+
+def allocate_bits(basis: SubspaceBasis, budget: int, group_size: int, axis: str = "token",
+                  max_bits: int = 8) -> tuple[int, ...]:
+    """Bit widths per subspace of `group_size` consecutive directions spending at most `budget` code bits per token,
+    by greedy reverse water-filling on the basis' variances (averaged over KV heads, each head's normalized to sum
+    1): each step gives one or two more bits to the subspace whose expected error (`GAUSSIAN_MSE` / `MINMAX_MSE` by
+    `axis`) drops most per bit. Widths come out non-increasing; trailing subspaces may get 0 bits (drop them: the
+    rank of the codes)."""
+    mse = MINMAX_MSE if axis == "channel" else GAUSSIAN_MSE
+    var = basis.sigma.float().square()
+    var = (var / var.sum(-1, keepdim=True).clamp_min(1e-30)).mean(0)  # [rank]
+    bounds = [(s, min(s + group_size, var.numel())) for s in range(0, var.numel(), group_size)]
+    energy = [float(var[s:e].sum()) for s, e in bounds]
+    bits = [0] * len(bounds)
+    left = budget
+    while True:
+        best, gain = None, 0.0
+        for j, (s, e) in enumerate(bounds):
+            for step in (1, 2):
+                b, cost = bits[j] + step, step * (e - s)
+                if b > max_bits or cost > left:
+                    continue
+                g = energy[j] * (mse[bits[j]] - mse[b]) / cost
+                if g > gain:
+                    best, gain = (j, step), g
+        if best is None:
+            break
+        j, step = best
+        bits[j] += step
+        left -= step * (bounds[j][1] - bounds[j][0])
+    for j in range(1, len(bits)):  # keep widths non-increasing (a dropped subspace is never followed by a kept one)
+        bits[j] = min(bits[j], bits[j - 1])
+    return tuple(bits)
+
+
+def quantize_subspace_rows(x: torch.Tensor, basis: SubspaceBasis, bits: int | Sequence[int], group_size: int = 32,
+                           rank: int | None = None, axis: str = "token", token_group: int = 64) -> SubspaceRows:
+    """`quantize_subspace` in the token-aligned form (`SubspaceRows`)."""
+    return SubspaceRows.of(quantize_subspace(x, basis, bits, group_size, rank, axis, token_group))
+
+
+def dequantize_subspace_rows(q: SubspaceRows, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return dequantize_subspace(q.split(), dtype)
+
+
 def bytes_per_element(q: SubspaceQuantized, include_basis: bool = True) -> float:
     """Bytes held per element of the original `[..., tokens, dim]` tensor (basis included unless told otherwise)."""
     n = q.codes[0].shape[:-1].numel() * q.basis.dim
@@ -258,6 +376,9 @@ def bytes_per_element(q: SubspaceQuantized, include_basis: bool = True) -> float
 __all__ = [
     "SubspaceBasis",
     "SubspaceQuantized",
+    "SubspaceRows",
+    "dequantize_subspace_rows",
+    "quantize_subspace_rows",
     "bytes_per_element",
     "dequantize_subspace",
     "fit_subspace",
