@@ -233,7 +233,8 @@ def test_sliding_layers_keep_a_subspace_archive_bounded():
     with torch.no_grad():
         ref = model(ids).logits
     cache = TieredQuantCache(config=cfg, tail_length=8, warm_length=32, group_size=8, archive_group_size=8,
-                             archive_bits=8, warm_bits=8, sink_length=0, rotation="none", archive_quantizer="subspace")
+                             archive_bits=8, warm_bits=8, sink_length=0, rotation="none", archive_quantizer="subspace",
+                             sliding=None)  # sliding layers run with these options too (the default: a 3-bit window)
     with torch.no_grad():
         got = torch.cat([model(ids[:, i : i + 4], past_key_values=cache).logits for i in range(0, 300, 4)], 1)
     sliding = cache.layers[0]

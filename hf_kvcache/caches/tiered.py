@@ -221,8 +221,7 @@ class TieredQuantOptions(CacheOptions):
             raise ValueError(f"archive_rank={self.archive_rank} truncates the subspace archive's bases: set "
                              "archive_quantizer='subspace' (or an adaptive archive with a subspace format), or "
                              "archive_rank=None")
-        if self.archive_quantizer != "adaptive":
-            return
+        # checked whatever the quantizer, so that a wrong value never passes unnoticed
         b, f, w = self.adaptive_boundaries, self.adaptive_formats, self.adaptive_bits
         for name, v in (("adaptive_boundaries", b), ("adaptive_formats", f), ("adaptive_bits", w)):
             if not isinstance(v, list):
