@@ -1,4 +1,4 @@
-"""`hf-kvcache` command: demo, ppl, bench, passkey, caches, codec-bench, kernel-report, pareto."""
+"""`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 
 DEMO_PROMPT_TOPIC = "assert"
+DEMO_CACHES = ["int8", "int4", "fp8", "tiered", "kivi", "h2o", "cpac"]  # one of each family, default options
 
 
 def _cmd_caches(args: argparse.Namespace) -> int:
@@ -86,6 +87,12 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
     return main_args(args)
 
 
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.compare import main_args
+
+    return main_args(args)
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     """Generate from a real prompt with each cache, then the side-by-side table on real text."""
     import torch
@@ -93,16 +100,26 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
     from hf_kvcache.eval import load_model
     from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+    from hf_kvcache.registry import cache_names
 
+    valid = ["dynamic"] + cache_names()  # names generate takes as cache_implementation
+    unknown = [n for n in args.caches if n not in valid]
+    if unknown:
+        raise ValueError(f"unknown cache(s) {unknown} for demo --caches; pick among: {', '.join(valid)}")
+    if args.new_tokens < 1 or args.tokens < 2:
+        raise ValueError("--new-tokens must be >= 1 and --tokens >= 2")
+    t_start = time.perf_counter()
     torch.manual_seed(0)
     model, tokenizer = load_model(args.model)
     doc = " ".join(topics[DEMO_PROMPT_TOPIC].split()[:120])
     messages = [{"role": "user", "content": f"{doc}\n\nIn one sentence, what does the assert statement do?"}]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
-    names = ["dynamic"] + args.caches
-    print(f"prompt: Python docs topic '{DEMO_PROMPT_TOPIC}' ({prompt['input_ids'].shape[1]} tokens) + a question\n")
+    names = ["dynamic"] + [n for n in args.caches if n != "dynamic"]
+    print(f"prompt: Python docs topic '{DEMO_PROMPT_TOPIC}' ({prompt['input_ids'].shape[1]} tokens) + a question; "
+          f"{args.new_tokens} new tokens, greedy, with each of {len(names)} caches\n", flush=True)
     reference = None
-    for name in names:
+    t_gen = time.perf_counter()
+    for i, name in enumerate(names, 1):
         kwargs = {} if name == "dynamic" else {"cache_implementation": name}
         t0 = time.perf_counter()
         out = model.generate(**prompt, max_new_tokens=args.new_tokens, do_sample=False, **kwargs)
@@ -111,11 +128,17 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         text = tokenizer.decode(new, skip_special_tokens=True).strip().replace("\n", " ")
         same = "" if reference is None else (" (same tokens as dynamic)" if torch.equal(new, reference) else "")
         reference = new if reference is None else reference
-        print(f"[{name}] {len(new) / dt:.1f} tok/s{same}: {text}")
-    print()
-    rows = run_benchmark([CacheSpec(n, {}, n) for n in names], args.model, args.text, args.start, args.tokens, args.chunk)
-    print(f"streaming perplexity: {args.text} tokens {args.start}:{args.start + args.tokens}, chunk {args.chunk}")
+        print(f"[{i}/{len(names)}] {name}: {len(new) / dt:.1f} tok/s{same}: {text}", flush=True)
+    t_gen = time.perf_counter() - t_gen
+    window = f"{args.text} tokens {args.start}:{args.start + args.tokens}, chunk {args.chunk}"
+    print(f"\nstreaming perplexity of each cache on {window} (one progress bar per cache)...", flush=True)
+    t_bench = time.perf_counter()
+    rows = run_benchmark([CacheSpec(n, {}, n) for n in names], args.model, args.text, args.start, args.tokens,
+                         args.chunk, args.decode_steps)
+    t_bench = time.perf_counter() - t_bench
+    print(f"streaming perplexity: {window}; decode tok/s over {args.decode_steps} single-token steps after it")
     print(format_table(rows))
+    print(f"\ntook {time.perf_counter() - t_start:.0f} s: generation {t_gen:.0f} s, streaming table {t_bench:.0f} s")
     return 0
 
 
@@ -139,9 +162,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("demo", help="generate with every cache and print bytes / ratio / perplexity / speed")
-    _add_text_args(p, tokens=512)
-    p.add_argument("--caches", nargs="+", default=["int8", "int4", "fp8"])
-    p.add_argument("--new-tokens", type=int, default=40)
+    # 640 scored tokens: past the tiered cache's tail + warm tier (64 + 448), so its 2-bit archive shows too
+    _add_text_args(p, tokens=640)
+    p.add_argument("--caches", nargs="+", default=DEMO_CACHES,
+                   help="registered names (default options each), compared with DynamicCache")
+    p.add_argument("--new-tokens", type=int, default=40, help="tokens generated per cache")
+    p.add_argument("--decode-steps", type=int, default=8, help="single-token steps timed after the stream")
     p.set_defaults(func=_cmd_demo)
 
     p = sub.add_parser("ppl", help="streaming perplexity of one cache")
@@ -158,6 +184,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed after the stream")
     p.add_argument("--json", default=None, help="also write the rows to this file")
     p.set_defaults(func=_cmd_bench)
+
+    from hf_kvcache.eval.compare import add_arguments as _compare_arguments
+
+    p = sub.add_parser("compare", help="caches side by side in one process: table, --json rows, --png Pareto plot")
+    _add_text_args(p, tokens=1024)
+    _compare_arguments(p)
+    p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per depth (real filler text), per cache")
     p.add_argument("--model", default="smollm2-135m", help=_model_help())

@@ -123,3 +123,15 @@ def test_warm_tier_grows_with_the_context(fraction, tokens):
     target = max(OPTS["warm_length"], int(fraction * tokens) // 32 * 32)
     # the warm tier holds its target plus less than one archive group (it moves to the archive in whole groups)
     assert target <= warm < target + OPTS["archive_group_size"]
+
+
+def test_quality_metrics_before_anything_is_archived():
+    """A short sequence (sinks + warm + tail not yet full) has no archive: the proxy is the warm tier's error alone
+    (it used to raise KeyError: 'archive', which broke every short bench row of the tiered cache)."""
+    cache = TieredQuantCache(config=CFG, **OPTS)
+    k, v = _keys_values(96)
+    _stream(cache, k, v)
+    layer = cache.layers[0]
+    assert layer.tiers.tokens("archive") == 0 and layer.tiers.tokens("warm") > 0
+    m = cache.quality_metrics()
+    assert m["tiers"].get("archive", 0.0) == 0.0 and m["tiers"]["warm"] > 0 and m["proxy"] > 0

@@ -67,7 +67,7 @@ class QualityTracker:
     def error_of(self, tier: str) -> float:
         """Relative error of positions now in `tier` (an archived position carries its warm error too)."""
         err = self.tiers.get(tier, TierError()).relative()
-        if tier == "archive" and "warm" in self.tiers and self.tiers["archive"].tokens:
+        if tier == "archive" and "warm" in self.tiers and self.tiers.get("archive", TierError()).tokens:
             err += self.tiers["warm"].relative()
         return err
 
