@@ -56,7 +56,8 @@ TIERS = ("sink", "archive", "warm", "tail")
 # the options a sliding-window layer may run with differently (`TieredQuantOptions.sliding`)
 SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "archive_bits", "group_size",
                   "archive_group_size", "value_group_size", "rotation", "clip_ratio", "clip_search", "clip_on")
-# what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256: README):
+# what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256:
+# docs/rows/sliding_*gemma3-270m*)
 # no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values and keys clipped, no rotation
 SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "warm_bits": 3, "archive_bits": 3,
                    "rotation": "none", "clip_on": "both"}
