@@ -184,13 +184,12 @@ class TieredQuantOptions(CacheOptions):
         check_bool("subspace_allocation", self.subspace_allocation)
         check_positive_int("archive_rank", self.archive_rank, allow_none=True)
         subspace = self.archive_quantizer == "subspace" or (
-            self.archive_quantizer == "adaptive" and "subspace" in (self.adaptive_formats or []))
+            self.archive_quantizer == "adaptive" and isinstance(self.adaptive_formats, list)
+            and "subspace" in self.adaptive_formats)
         if self.archive_rank is not None and not subspace:
             raise ValueError(f"archive_rank={self.archive_rank} truncates the subspace archive's bases: set "
                              "archive_quantizer='subspace' (or an adaptive archive with a subspace format), or "
                              "archive_rank=None")
-        if self.archive_quantizer != "adaptive":
-            return
         b, f, w = self.adaptive_boundaries, self.adaptive_formats, self.adaptive_bits
         for name, v in (("adaptive_boundaries", b), ("adaptive_formats", f), ("adaptive_bits", w)):
             if not isinstance(v, list):
