@@ -217,7 +217,8 @@ class TieredQuantOptions(CacheOptions):
         check_bool("subspace_allocation", self.subspace_allocation)
         check_positive_int("archive_rank", self.archive_rank, allow_none=True)
         subspace = self.archive_quantizer == "subspace" or (
-            self.archive_quantizer == "adaptive" and "subspace" in (self.adaptive_formats or []))
+            self.archive_quantizer == "adaptive" and isinstance(self.adaptive_formats, list)
+            and "subspace" in self.adaptive_formats)
         if self.archive_rank is not None and not subspace:
             raise ValueError(f"archive_rank={self.archive_rank} truncates the subspace archive's bases: set "
                              "archive_quantizer='subspace' (or an adaptive archive with a subspace format), or "
