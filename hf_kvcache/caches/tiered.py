@@ -449,7 +449,7 @@ class TieredQuantLayer(CompressedLayer):
         """The tiers a rotation applies to (KIVI-quantized ones), each distinct spec once."""
         p = self.plan
         tiers = ("warm",) if p.warm_length else ()
-        if not self._nuq_archive() and not (tiers and self.specs["warm"] == self.specs["arch"]):
+        if p.archive_quantizer == "kivi" and not (tiers and self.specs["warm"] == self.specs["arch"]):
             tiers += ("arch",)
         return tiers
 
@@ -570,10 +570,6 @@ class TieredQuantLayer(CompressedLayer):
             pads = (torch.arange(start, start + n, device=x.device).view(1, 1, n, 1) < padding.to(x.device).view(-1, 1, 1, 1))
             x = torch.where(pads, fill, x)
         return x
-
-    def _nuq_archive(self) -> bool:
-        """Whether the archive may hold another format than KIVI (calibrated rotations apply to KIVI tiers only)."""
-        return self.plan.archive_quantizer != "kivi"
 
     def _archive_format(self, name: str, bits: int) -> ArchiveFormat:
         """The layer's `name` format at `bits` bits (kept, with its fitted state, while its spec stays the same)."""

@@ -99,8 +99,12 @@ def _planes(t: torch.Tensor) -> np.ndarray:
 
 
 # entropy-coded byte encodings: name -> (bits per symbol, by_channel, tokens coded jointly)
-_ANS = {f"ans{b}": (b, False, 1) for b in (8, 4, 2)} | {f"ans{b}c": (b, True, 1) for b in (8, 4, 2)}
-_ANS |= {f"ans{b}t{j}": (b, False, j) for b in (4, 2) for j in range(2, 8 // b + 1)}
+# (consecutive tokens coded jointly: up to 8 bits a symbol)
+_ANS: dict[str, tuple[int, bool, int]] = {}
+for _b in (8, 4, 2):
+    _ANS |= {f"ans{_b}": (_b, False, 1), f"ans{_b}c": (_b, True, 1)}
+    _ANS |= {f"ans{_b}t{j}": (_b, False, j) for j in range(2, 8 // _b + 1)}
+del _b
 
 
 def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
@@ -111,12 +115,9 @@ def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
     candidates: dict[str, bytes] = {"zstd-shuffle": shuffle_compress(_raw_bytes(t), t.element_size())}
     if t.element_size() == 1:
         u8 = _planes(t)[..., 0]
-        for bits in (8, 4, 2):
-            candidates[f"ans{bits}"] = _ans_bytes(u8, bits)
-            candidates[f"ans{bits}c"] = _ans_bytes(u8, bits, by_channel=True)
-            if u8.ndim >= 4 and bits < 8:  # consecutive tokens coded jointly, up to 8 bits a symbol
-                for joint in range(2, 8 // bits + 1):
-                    candidates[f"ans{bits}t{joint}"] = _ans_bytes(u8, bits, joint=joint)
+        for name, (bits, by_channel, joint) in _ANS.items():
+            if joint == 1 or u8.ndim >= 4:  # joint tokens need the [batch, heads, tokens, ...] layout
+                candidates[name] = _ans_bytes(u8, bits, by_channel, joint)
     elif t.element_size() == 2:
         planes = _planes(t)
         candidates["hi-ans"] = join_parts([_ans_bytes(planes[..., 1], 8), planes[..., 0].tobytes()])
