@@ -58,16 +58,24 @@ def test_generate_calibrates_every_layer_from_its_queries(smol, moby_text):
     cache = out.past_key_values
     recipes = cache.recipes()
     assert len(recipes) == model.config.num_hidden_layers
-    for r in recipes:
-        assert r["source"] == "queries" and set(r["errors"]) == {"none", "keys", "values", "both"}
-        best = min(r["errors"], key=r["errors"].get)
-        taken = best if r["errors"][best] <= 0.9 * r["errors"]["none"] else "none"  # the 10 % margin
+    for r, layer in zip(recipes, cache.layers):
+        rotations = {c: e for c, e in r["errors"].items() if not c.startswith("archive-")}
+        assert r["source"] == "queries" and set(rotations) == {"none", "keys", "values", "both"}
+        best = min(rotations, key=rotations.get)
+        taken = best if rotations[best] <= 0.9 * rotations["none"] else "none"  # the 10 % margin
         assert r["rotation"] == taken
+        # archive_error_target 0.3: the narrowest width from 2 bits within it (up to the warm tier's 4)
+        widths = {int(c.split("-")[1]): e for c, e in r["errors"].items() if c.startswith("archive-")}
+        width = r.get("archive_bits", 2)
+        assert min(widths) == 2 and max(widths) == width and layer.specs["arch"].bits == width
+        assert all(e > 0.3 for w, e in widths.items() if w < width) and (widths[width] <= 0.3 or width == 4)
+    assert any("archive_bits" in r for r in recipes)  # measured: 3 of 30 layers widen on this prompt
     assert not any(layer.calibrating for layer in cache.layers)
     # a saved calibration is reused as is: no calibration, same rotations
     again = TieredQuantCache(config=model.config, recipes=json.loads(json.dumps(recipes)))
     model(ids, past_key_values=again)
     assert [r["rotation"] for r in again.recipes()] == [r["rotation"] for r in recipes]
+    assert [la.specs["arch"].bits for la in again.layers] == [la.specs["arch"].bits for la in cache.layers]
     assert all(r["source"] == "queries" for r in again.recipes())
 
 

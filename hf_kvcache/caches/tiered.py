@@ -40,7 +40,7 @@ from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi
 from ..rope import KeyRotation
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
-from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_recipe
+from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
 from ..calibrate.quality import QualityTracker
 from ..calibrate.thresholds import AdaptiveThresholds
 from .base import CompressedCache, CompressedLayer, memory_stats
@@ -122,6 +122,11 @@ class TieredQuantOptions(CacheOptions):
       (`hf_kvcache.calibrate`; the queries come from the "hf_kvcache" attention, which `generate` switches to; without
       them a layer takes "none")
     - calibration_queries: how many of the first forward's last queries "auto" calibrates with
+    - archive_error_target: with rotation "auto" and a KIVI archive, the same calibration also widens the archive
+      of a layer whose round trip at archive_bits gives its queries a relative attention-output error above this
+      target: one bit at a time, up to warm_bits, the narrowest width within the target (None: every layer at
+      archive_bits). Layers differ widely (measured at 2 bits: 0.09-0.41 on SmolLM2, 0.09-0.49 on Qwen2.5), and
+      the few worst cost most of the perplexity
     - recipes: per model layer, a recipe to use instead of calibrating (`cache.recipes()` of a calibrated cache, a
       rotation name, or None for that layer); a JSON list
     - rotation_dtype: dtype of the un-rotation matmul at read time (None: float32; "bfloat16": faster on CPUs with
@@ -169,6 +174,7 @@ class TieredQuantOptions(CacheOptions):
     clip_on: str = "values"
     tail_dtype: str | None = "auto"
     calibration_queries: int = 64
+    archive_error_target: float | None = 0.3
     recipes: list | None = None
     sliding: dict | None = field(default_factory=lambda: dict(SLIDING_DEFAULT))
 
@@ -184,6 +190,7 @@ class TieredQuantOptions(CacheOptions):
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
         check_positive_int("calibration_queries", self.calibration_queries)
+        check_number("archive_error_target", self.archive_error_target, 0.0, lo_open=True, allow_none=True)
         if self.recipes is not None:
             if not isinstance(self.recipes, list):
                 raise ValueError(f"recipes must be a list with one entry per model layer, got {type(self.recipes).__name__}")
@@ -284,7 +291,7 @@ class KIVIOptions(CacheOptions):
             sink_length=self.sink_length, key_axis=self.key_axis, rotation=self.rotation,
             rotation_dtype=self.rotation_dtype,
             clip_ratio=self.clip_ratio, clip_search=self.clip_search, clip_on=self.clip_on, tail_dtype=self.tail_dtype,
-            sliding=None,
+            archive_error_target=None, sliding=None,
         )
 
 
@@ -391,6 +398,8 @@ class TieredQuantLayer(CompressedLayer):
                                  "None (every direction)")
         if self.recipe is None and p.rotation != "auto":
             self.recipe = LayerRecipe(p.rotation)
+        if self.recipe is not None and self.recipe.archive_bits is not None:  # given, or chosen by calibration
+            self.specs["arch"] = dataclasses.replace(self.specs["arch"], bits=self.recipe.archive_bits)
         self.calibrating = self.recipe is None and len(self._rotation_candidates()) > 1 and bool(self._kivi_tiers())
         if self.recipe is None and not self.calibrating:
             self.recipe = LayerRecipe("none")
@@ -442,8 +451,26 @@ class TieredQuantLayer(CompressedLayer):
         else:
             self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
                                         self._rotation_candidates(), self._kivi_tiers())
+            self._widen_archive(queries, keys, values)
         self._set_rotation(self.recipe.rotation)
         self.calibrating, self.query_window, self._calib_queries = False, 0, None
+
+    def _widen_archive(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`archive_error_target`: give this layer the narrowest KIVI archive width (archive_bits..warm_bits) whose
+        round trip under the chosen rotation keeps its queries' attention error within the target."""
+        p, base = self.plan, self.specs["arch"]
+        if p.archive_error_target is None or "arch" not in self._kivi_tiers():
+            return
+
+        def roundtrip_at(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+            self.specs["arch"] = dataclasses.replace(base, bits=width)
+            return self._roundtrip(keys, values, self.recipe.rotation, "arch")
+
+        bits, errors = choose_archive_bits(queries, keys, values, self._calib_scaling, roundtrip_at, base.bits,
+                                           p.warm_bits, p.archive_error_target)
+        self.specs["arch"] = dataclasses.replace(base, bits=bits)
+        self.recipe.errors.update(errors)
+        self.recipe.archive_bits = bits if bits != base.bits else None
 
     def _kivi_tiers(self) -> tuple[str, ...]:
         """The tiers a rotation applies to (KIVI-quantized ones), each distinct spec once."""

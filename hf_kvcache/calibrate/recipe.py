@@ -23,28 +23,39 @@ ROTATION_MARGIN = 0.1
 @dataclass
 class LayerRecipe:
     """What one layer runs with. `errors`: relative attention-output error of each candidate measured at
-    calibration (empty when none was measured); `source`: how it was chosen."""
+    calibration (empty when none was measured; `"archive-<bits>"` entries: the archive alone at that width);
+    `source`: how it was chosen; `archive_bits`: the layer's archive width when calibration raised it above the
+    options' `archive_bits` (None: the options' width)."""
 
     rotation: str = "none"
     errors: dict[str, float] = field(default_factory=dict)
     source: str = "given"
+    archive_bits: int | None = None
 
     def __post_init__(self) -> None:
         if self.rotation not in ROTATION_CANDIDATES:
             raise ValueError(f"rotation={self.rotation!r} is not valid; choose one of {list(ROTATION_CANDIDATES)}")
         if self.source not in SOURCES:
             raise ValueError(f"source={self.source!r} is not valid; choose one of {list(SOURCES)}")
+        if self.archive_bits is not None and (
+                isinstance(self.archive_bits, bool) or not isinstance(self.archive_bits, int)
+                or not 1 <= self.archive_bits <= 8):
+            raise ValueError(f"archive_bits={self.archive_bits!r} is not valid; give an int in 1..8, or None (the "
+                             "options' archive_bits)")
 
     def to_dict(self) -> dict:
-        return {"rotation": self.rotation, "errors": dict(self.errors), "source": self.source}
+        d = {"rotation": self.rotation, "errors": dict(self.errors), "source": self.source}
+        if self.archive_bits is not None:
+            d["archive_bits"] = self.archive_bits
+        return d
 
     @classmethod
     def from_dict(cls, d: dict | str) -> "LayerRecipe":
         if isinstance(d, str):
             return cls(rotation=d)
-        unknown = sorted(set(d) - {"rotation", "errors", "source"})
+        unknown = sorted(set(d) - {"rotation", "errors", "source", "archive_bits"})
         if unknown:
-            raise ValueError(f"unknown recipe field(s) {unknown}; a recipe has rotation, errors, source")
+            raise ValueError(f"unknown recipe field(s) {unknown}; a recipe has rotation, errors, source, archive_bits")
         return cls(**d)
 
 
@@ -95,3 +106,25 @@ def choose_recipe(
     if best != "none" and "none" in errors and errors[best] > (1.0 - margin) * errors["none"]:
         best = "none"
     return LayerRecipe(best, errors, "queries")
+
+
+def choose_archive_bits(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    roundtrip_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    bits: int,
+    max_bits: int,
+    target: float,
+) -> tuple[int, dict[str, float]]:
+    """The narrowest archive width from `bits` up to `max_bits` whose round trip (`roundtrip_at(width) -> (keys',
+    values')`, `[B, Hkv, T, D]`) keeps the attention error of `queries` within `target`, with the error of every
+    width tried (`{"archive-<width>": error}`); `max_bits` when none does."""
+    exact = _attend(queries, keys, values, scaling)
+    errors: dict[str, float] = {}
+    for width in range(bits, max(bits, max_bits) + 1):
+        errors[f"archive-{width}"] = _relative_error(exact, _attend(queries, *roundtrip_at(width), scaling))
+        if errors[f"archive-{width}"] <= target:
+            return width, errors
+    return max(bits, max_bits), errors
