@@ -28,7 +28,7 @@ register_cache("tiered", TieredQuantCache)
 register_cache("kivi", KIVICache)
 register_cache("cpac", CPACCache)
 register_cache("h2o", H2OCache)
-register_cache("paged", PagedCache)
+register_cache("paged_quant", PagedCache)  # "paged" is transformers' (continuous batching)
 _register_attention()  # attn_implementation="hf_kvcache"
 _register_fused_kernel()  # ... which reads compressed segments directly where a layer exposes them
 install()

@@ -38,7 +38,7 @@ CASES = {
     "kivi": {"residual_length": 8, "group_size": 8},
     "h2o": {"budget": 12, "policy": "hybrid"},  # sinks + heavy hitters + recent window: every part of the ranking
     "cpac": {"page_size": 8, "recent_pages": 1},
-    "paged": {"page_size": 8, "group_size": 8},
+    "paged_quant": {"page_size": 8, "group_size": 8},
 }
 NAMES = sorted(CASES)
 UNIFORM = {"int8", "int4", "fp8", "uniform"}  # quantize every token as it arrives
@@ -59,7 +59,7 @@ EXACT = {
     "kivi": {"residual_length": 256, "tail_dtype": None},
     "h2o": {"budget": 1.0},
     "cpac": {"page_size": 16, "recent_pages": 16, "full_dtype": "float32"},
-    "paged": {"page_size": 256, "tail_dtype": None},
+    "paged_quant": {"page_size": 256, "tail_dtype": None},
 }
 
 

@@ -11,7 +11,8 @@ from .options import PagedOptions
 
 class PagedCache(CompressedCache):
     """`PagedCache(config=model.config, page_size=64, bits=4, group_size=32, share=True)`, or
-    `generate(cache_implementation="paged", cache_config={...})`.
+    `generate(cache_implementation="paged_quant", cache_config={...})` (transformers keeps
+    "paged" for its continuous-batching path).
 
     With `num_return_sequences=n` (or `num_beams=n`), generate prefills n identical copies of the prompt; their pages
     are equal byte for byte and are stored once, so the cache holds about one quantized prompt plus n tails and n

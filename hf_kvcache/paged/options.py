@@ -1,4 +1,4 @@
-"""Options of `PagedCache` (`generate(cache_implementation="paged", cache_config={...})`)."""
+"""Options of `PagedCache` (`generate(cache_implementation="paged_quant", cache_config={...})`)."""
 
 from __future__ import annotations
 
