@@ -15,6 +15,7 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,9 +61,9 @@ class SharedPrefixRow:
 
 def measure_shared_prefix(model_name: str = "smollm2-135m", prompt_tokens: int = 4096, n: int = 8,
                           new_tokens: int = 32, caches: list[SharedPrefixCase] | None = None,
-                          seed: int = 0) -> list[dict]:
+                          seed: int = 0, on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """One row per case (`SharedPrefixRow` as a dict): `n` samples of `new_tokens` tokens from a `prompt_tokens`-token
-    Moby Dick prompt, the same seed for every case."""
+    Moby Dick prompt, the same seed for every case; `on_row` is called with each row as soon as it is measured."""
     model, tok = load_model(model_name)
     ids = load_tokens(tok, load_text("moby-dick"), 0, prompt_tokens)
     rows: list[SharedPrefixRow] = []
@@ -84,6 +85,8 @@ def measure_shared_prefix(model_name: str = "smollm2-135m", prompt_tokens: int =
             stats.get("pages"), stats.get("page_refs"), len({tuple(r) for r in generated.tolist()}),
             hashlib.blake2b(generated.numpy().tobytes(), digest_size=6).hexdigest(), round(seconds, 1)))
         del out
+        if on_row is not None:
+            on_row(asdict(rows[-1]))
     return [asdict(r) for r in rows]
 
 
@@ -103,7 +106,7 @@ def format_table(rows: list[dict]) -> str:
 
 
 if __name__ == "__main__":
-    rows = measure_shared_prefix()
+    rows = measure_shared_prefix(on_row=lambda row: print(row, flush=True))
     (ROWS_DIR / "shared_prefix_smollm2-135m.json").write_text(json.dumps(rows, indent=1) + "\n")
     (ROWS_DIR / "shared_prefix_smollm2-135m.txt").write_text(format_table(rows) + "\n")
     print(format_table(rows))
