@@ -214,7 +214,8 @@ def test_registered_for_generate():
 @torch.no_grad()
 def test_num_return_sequences_share_the_prompt_and_sample_what_unshared_samples(smol, moby_text):
     """4 samples of a 256-token prompt: with sharing the same sequences as without (the values read are the same),
-    in fewer bytes: the prompt's pages are held once. One thread: identical rows then compute identical bits."""
+    in fewer bytes: the prompt's pages are held once (measured 0.341x: 2.86 MB vs 8.39 MB, of which 1.84 MB of pages and
+    1.01 MB of the four rows' fp16 tails of 11 tokens). One thread: identical rows then compute identical bits."""
     model, tok = smol
     ids = tok(moby_text[20000:23000], add_special_tokens=False, return_tensors="pt").input_ids[:, :256]
     threads = torch.get_num_threads()
