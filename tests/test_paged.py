@@ -22,7 +22,8 @@ def records(pool, n, seed):
 
 
 def new_pool():
-    return PagePool(PageFormat(kv_heads=H, page_size=P, head_dim=D, value_dim=D, bits=4, group_size=8), torch.device("cpu"))
+    fmt = PageFormat(kv_heads=H, page_size=P, head_dim=D, value_dim=D, bits=4, group_size=8)
+    return PagePool(fmt, torch.device("cpu"))
 
 
 def held(c):

@@ -108,7 +108,8 @@ class PagePool:
     def encode(self, pages: QuantPages) -> torch.Tensor:
         """`[n, record_bytes]` uint8 records of `pages`."""
         n = pages.count
-        parts = [t.reshape(n, -1).contiguous().view(torch.uint8) for t in (*_tensors(pages.keys), *_tensors(pages.values))]
+        tensors = (*_tensors(pages.keys), *_tensors(pages.values))
+        parts = [t.reshape(n, -1).contiguous().view(torch.uint8) for t in tensors]
         return torch.cat(parts, 1)
 
     def decode(self, records: torch.Tensor) -> QuantPages:
@@ -117,8 +118,9 @@ class PagePool:
         t = {f.name: records[:, f.offset : f.offset + f.nbytes].contiguous().view(f.dtype).reshape(n, *f.shape)
              for f in self.fields}
         fmt = self.fmt
-        keys = KIVIQuantized(t["k_codes"], t["k_scale"], t["k_zero"], fmt.bits, fmt.group_size, "channel", fmt.head_dim)
-        values = KIVIQuantized(t["v_codes"], t["v_scale"], t["v_zero"], fmt.bits, fmt.group_size, "token", fmt.value_dim)
+        g = fmt.group_size
+        keys = KIVIQuantized(t["k_codes"], t["k_scale"], t["k_zero"], fmt.bits, g, "channel", fmt.head_dim)
+        values = KIVIQuantized(t["v_codes"], t["v_scale"], t["v_zero"], fmt.bits, g, "token", fmt.value_dim)
         return QuantPages(keys, values)
 
     def read(self, ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
