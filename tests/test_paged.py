@@ -3,6 +3,7 @@ and by batch operations, copy-on-write of diverging rows, and generate on SmolLM
 
 import pytest
 import torch
+from transformers import LlamaConfig
 
 import hf_kvcache
 from hf_kvcache.paged import PageFormat, PagePool, PagedCache, quantize_pages
@@ -11,8 +12,8 @@ from hf_kvcache.paged import pool as pool_module
 H, D, P = 2, 16, 8  # kv heads, head dim, page size of the random-KV tests
 
 
-def cache(**options):
-    return PagedCache(**{"page_size": P, "group_size": 8, "tail_dtype": None, **options})
+def cache(config=None, **options):
+    return PagedCache(config=config, **{"page_size": P, "group_size": 8, "tail_dtype": None, **options})
 
 
 def records(pool, n, seed):
@@ -156,6 +157,40 @@ def test_reorder_with_repeated_rows_shares_and_frees():
     assert c.layers[0].pool.capacity == 6 and c.page_stats().pages == 5
     got_k, _ = read(c)
     assert torch.equal(got_k[0, :, : 3 * P], before_k[1, :, : 3 * P]) and not torch.equal(got_k[0], got_k[1])
+
+
+def test_compact_gives_freed_pages_back():
+    torch.manual_seed(0)
+    c = cache()
+    c.update(torch.randn(3, H, 4 * P + 1, D), torch.randn(3, H, 4 * P + 1, D), 0)
+    c.batch_select_indices(torch.tensor([2, 0]))  # row 1's 4 pages are freed, their slots stay allocated
+    want, before = read(c), held(c)
+    c.compact()
+    layer = c.layers[0]
+    assert layer.pool.capacity == 8 and c.page_stats().free == 0
+    assert before - held(c) == 4 * (layer.pool.record_bytes + 4)  # records and their int32 reference counts
+    assert all(torch.equal(x, y) for x, y in zip(read(c), want))
+    c.update(torch.randn(2, H, P, D), torch.randn(2, H, P, D), 0)  # the renumbered pool goes on working
+    assert c.page_stats().pages == 10 and layer.pool.capacity == 10
+
+
+def test_left_padding_never_enters_the_key_groups_of_real_tokens():
+    """Row 1 has 5 padding positions, so its first page holds 5 padding and 3 real tokens in one key group; whatever
+    the padding holds, the real tokens read back the same."""
+    torch.manual_seed(0)
+    k, v = torch.randn(2, H, 2 * P, D), torch.randn(2, H, 2 * P, D)
+    mask = torch.ones(2, 2 * P, dtype=torch.long)
+    mask[1, :5] = 0
+    reads = []
+    for pad in (100.0, -100.0):
+        kp = k.clone()
+        kp[1, :, :5] = pad
+        c = cache(config=LlamaConfig(num_hidden_layers=1, hidden_size=4 * D, num_attention_heads=4,
+                                     num_key_value_heads=H, head_dim=D, vocab_size=16))
+        c.set_padding(mask)
+        c.update(kp, v, 0)
+        reads.append(read(c)[0][1, :, 5:])
+    assert torch.equal(reads[0], reads[1])
 
 
 def test_select_and_repeat_without_sharing_copy_pages():

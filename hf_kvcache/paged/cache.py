@@ -28,6 +28,12 @@ class PagedCache(CompressedCache):
         return PageStats(references=sum(s.references for s in stats), pages=sum(s.pages for s in stats),
                          free=sum(s.free for s in stats), record_bytes=max((s.record_bytes for s in stats), default=0))
 
+    def compact(self) -> None:
+        """Give back the storage of freed pages (beam search and row selection free pages; their slots are reused
+        by later pages but stay allocated, and counted in `bytes`, until this is called)."""
+        for layer in self._compressed_layers():
+            layer.compact()
+
     def memory_stats(self) -> dict[str, Any]:
         out = super().memory_stats()
         s = self.page_stats()

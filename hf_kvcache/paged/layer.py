@@ -176,6 +176,11 @@ class PagedLayer(CompressedLayer):
             flat[repeat] = self.pool.copy(flat[repeat])
             self.table.ids = flat.view_as(self.table.ids).to(self.table.ids)
 
+    def compact(self) -> None:
+        """Shrink the pool to the pages in use (after batch operations or crops freed some)."""
+        if self.table is not None:
+            self.table.ids = self.pool.compact(self.table.ids)
+
     # ---- crop ----------------------------------------------------------------------------------------------------
     def _crop_newest(self, n: int) -> None:
         tail = self.tail_keys.shape[2]

@@ -8,7 +8,8 @@ uint8 tensor: two pages are equal exactly when their records are.
 
 Pages are immutable once written. A page referenced by several page-table entries (rows that share a prefix) is
 stored once; `refcount [capacity]` counts the references, and a page whose count falls to 0 goes back to the free
-list (its slot is reused by the next page written; the storage stays allocated and is counted in the bytes held).
+list (its slot is reused by the next page written; the storage stays allocated and is counted in the bytes held
+until `compact()` gives it back).
 
 Sharing by content (`add(..., share=True)`): every new record is looked up by a 16-byte blake2b digest of its bytes
 and, when an equal record (verified byte for byte, so a digest collision never shares different pages) is already
@@ -223,6 +224,20 @@ class PagePool:
             self.refcount = torch.cat([self.refcount, self.refcount.new_zeros(grow)])
             slots.extend(range(start, start + grow))
         return torch.tensor(slots, dtype=torch.long)
+
+    def compact(self, table: torch.Tensor) -> torch.Tensor:
+        """Give the free slots' storage back: pages in use move to slots `0..pages_in_use - 1` (in id order) and the
+        pool shrinks to them. Returns `table` (any shape of page ids) renumbered."""
+        used = (self.refcount > 0).nonzero().flatten()
+        remap = torch.full((self.capacity,), -1, dtype=torch.long, device=self.device)
+        remap[used] = torch.arange(used.numel(), device=self.device)
+        self.data = self.data.index_select(0, used)
+        self.refcount = self.refcount.index_select(0, used)
+        self._free = []
+        moved = remap.tolist()
+        self._by_digest = {d: moved[page] for d, page in self._by_digest.items()}
+        self._digest_of = {page: d for d, page in self._by_digest.items()}
+        return remap[table.to(self.device, torch.long)].to(table.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.data, self.refcount]
