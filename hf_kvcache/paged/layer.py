@@ -31,6 +31,10 @@ from .table import PageTable
 
 
 class PagedLayer(CompressedLayer):
+    """Held per layer: `pool` (`PagePool`: `data [capacity, record_bytes]` uint8, `refcount [capacity]` int32),
+    `table` (`PageTable`: `ids [batch, pages]` int32) and the tails `tail_keys [batch, kv_heads, tail, head_dim]` /
+    `tail_values [.., value_dim]` in `tail_dtype` (0 <= tail < page_size); tokens held = pages * page_size + tail."""
+
     options: PagedOptions
 
     def __init__(self, options: PagedOptions | None = None) -> None:
