@@ -238,6 +238,7 @@ def test_group_size_must_divide_head_dim():
     c = PagedCache(page_size=16, group_size=16)
     with pytest.raises(ValueError, match="group_size=16 must divide the model's head_dim=24"):
         c.update(torch.randn(1, 1, 4, 24), torch.randn(1, 1, 4, 24), 0)
+    assert not c.layers[0].is_initialized and c.get_seq_length() == 0
 
 
 def test_registered_for_generate():

@@ -48,8 +48,10 @@ class PagedLayer(CompressedLayer):
         self.tail_values: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        super().lazy_initialization(key_states, value_states)
         o = self.options
+        PageFormat(key_states.shape[1], o.page_size, key_states.shape[-1], value_states.shape[-1], o.bits,
+                   o.group_size).check()  # before the layer counts as initialized: a bad group size leaves it fresh
+        super().lazy_initialization(key_states, value_states)
         if o.tail_dtype == "auto":
             self.tail_dtype = key_states.dtype if key_states.dtype in (torch.float16, torch.bfloat16) else torch.float16
         else:
