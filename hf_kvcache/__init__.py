@@ -13,6 +13,7 @@ from .caches import (
     UniformQuantCache,
     memory_stats,
 )
+from .paged import PagedCache
 from .registry import attached, build_cache, cache_names, fixed, install, register_cache
 from .attention import register as _register_attention
 from .fused import register as _register_fused_kernel
@@ -27,6 +28,7 @@ register_cache("tiered", TieredQuantCache)
 register_cache("kivi", KIVICache)
 register_cache("cpac", CPACCache)
 register_cache("h2o", H2OCache)
+register_cache("paged_quant", PagedCache)  # "paged" is transformers' (continuous batching)
 _register_attention()  # attn_implementation="hf_kvcache"
 _register_fused_kernel()  # ... which reads compressed segments directly where a layer exposes them
 install()
@@ -39,6 +41,7 @@ __all__ = [
     "UniformQuantCache",
     "TieredQuantCache",
     "KIVICache",
+    "PagedCache",
     "memory_stats",
     "attached",
     "build_cache",
