@@ -43,6 +43,12 @@ def test_recipe_json_and_errors():
         LayerRecipe("diagonal")
     with pytest.raises(ValueError, match="unknown recipe field"):
         LayerRecipe.from_dict({"rotation": "none", "bits": 3})
+    full = LayerRecipe("none", {}, "queries", archive_bits=3, clip_keys=True)
+    assert LayerRecipe.from_dict(json.loads(json.dumps(full.to_dict()))) == full
+    with pytest.raises(ValueError, match="clip_keys"):
+        LayerRecipe("none", clip_keys="yes")
+    with pytest.raises(ValueError, match="archive_bits"):
+        LayerRecipe("none", archive_bits=9)
     with pytest.raises(ValueError, match="one entry per model layer"):
         TieredQuantCache(recipes="none")
 
@@ -53,29 +59,34 @@ def test_generate_calibrates_every_layer_from_its_queries(smol, moby_text):
     model, tok = smol
     model.set_attn_implementation("sdpa")
     ids = load_tokens(tok, moby_text, 5000, 400)  # the first prefill holds enough positions to round-trip
-    out = model.generate(ids, cache_implementation="tiered", max_new_tokens=4, do_sample=False,
-                         return_dict_in_generate=True)
+    out = model.generate(ids, cache_implementation="tiered", cache_config={"archive_error_target": 0.15},
+                         max_new_tokens=4, do_sample=False, return_dict_in_generate=True)
     cache = out.past_key_values
     recipes = cache.recipes()
     assert len(recipes) == model.config.num_hidden_layers
     for r, layer in zip(recipes, cache.layers):
-        rotations = {c: e for c, e in r["errors"].items() if not c.startswith("archive-")}
+        rotations = {c: e for c, e in r["errors"].items() if not c.startswith(("archive-", "keys-"))}
         assert r["source"] == "queries" and set(rotations) == {"none", "keys", "values", "both"}
         best = min(rotations, key=rotations.get)
         taken = best if rotations[best] <= 0.9 * rotations["none"] else "none"  # the 10 % margin
         assert r["rotation"] == taken
-        # archive_error_target 0.3: the narrowest width from 2 bits within it (up to the warm tier's 4)
+        # clip_on="auto": key groups clipped where that lowers the attention error (same rotation)
+        assert r["clip_keys"] == (r["errors"]["keys-clipped"] < 0.8 * r["errors"]["keys-unclipped"])  # 20 % margin
+        assert layer.clips("keys") == r["clip_keys"] and layer.clips("values")
+        # archive_error_target 0.15: the narrowest width from 2 bits within it (up to the warm tier's 4)
         widths = {int(c.split("-")[1]): e for c, e in r["errors"].items() if c.startswith("archive-")}
         width = r.get("archive_bits", 2)
         assert min(widths) == 2 and max(widths) == width and layer.specs["arch"].bits == width
-        assert all(e > 0.3 for w, e in widths.items() if w < width) and (widths[width] <= 0.3 or width == 4)
-    assert any("archive_bits" in r for r in recipes)  # measured: 3 of 30 layers widen on this prompt
+        assert all(e > 0.15 for w, e in widths.items() if w < width) and (widths[width] <= 0.15 or width == 4)
+    assert any("archive_bits" in r for r in recipes)  # measured: 17 of 30 layers widen on this prompt
+    assert 0 < sum(r["clip_keys"] for r in recipes) < len(recipes)  # measured: 5 of 30 layers clip their keys
     assert not any(layer.calibrating for layer in cache.layers)
     # a saved calibration is reused as is: no calibration, same rotations
     again = TieredQuantCache(config=model.config, recipes=json.loads(json.dumps(recipes)))
     model(ids, past_key_values=again)
     assert [r["rotation"] for r in again.recipes()] == [r["rotation"] for r in recipes]
     assert [la.specs["arch"].bits for la in again.layers] == [la.specs["arch"].bits for la in cache.layers]
+    assert [la.clips("keys") for la in again.layers] == [la.clips("keys") for la in cache.layers]
     assert all(r["source"] == "queries" for r in again.recipes())
 
 

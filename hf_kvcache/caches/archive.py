@@ -151,7 +151,10 @@ class KVQuantFormat(_PreRoPEFormat):
         )
 
     def encode(self, keys, values):
-        return QuantTier(quantize_nuq(keys, self.codebooks[0]), quantize_nuq(values, self.codebooks[1]))
+        la = self.layer
+        clip = la.plan.clip_search
+        return QuantTier(quantize_nuq(keys, self.codebooks[0], clip and la.clips("keys")),
+                         quantize_nuq(values, self.codebooks[1], clip and la.clips("values")))
 
     def decode(self, q, start, rotated=False):
         return self._keys_back(dequantize_nuq(q.keys), start), dequantize_nuq(q.values)

@@ -25,12 +25,14 @@ class LayerRecipe:
     """What one layer runs with. `errors`: relative attention-output error of each candidate measured at
     calibration (empty when none was measured; `"archive-<bits>"` entries: the archive alone at that width);
     `source`: how it was chosen; `archive_bits`: the layer's archive width when calibration raised it above the
-    options' `archive_bits` (None: the options' width)."""
+    options' `archive_bits` (None: the options' width); `clip_keys`: whether its key groups take the clip search
+    (`clip_on="auto"`: chosen by calibration; None: as `clip_on` says)."""
 
     rotation: str = "none"
     errors: dict[str, float] = field(default_factory=dict)
     source: str = "given"
     archive_bits: int | None = None
+    clip_keys: bool | None = None
 
     def __post_init__(self) -> None:
         if self.rotation not in ROTATION_CANDIDATES:
@@ -42,24 +44,28 @@ class LayerRecipe:
                 or not 1 <= self.archive_bits <= 8):
             raise ValueError(f"archive_bits={self.archive_bits!r} is not valid; give an int in 1..8, or None (the "
                              "options' archive_bits)")
+        if self.clip_keys is not None and not isinstance(self.clip_keys, bool):
+            raise ValueError(f"clip_keys={self.clip_keys!r} is not valid; give true, false or None (as clip_on says)")
 
     def to_dict(self) -> dict:
         d = {"rotation": self.rotation, "errors": dict(self.errors), "source": self.source}
-        if self.archive_bits is not None:
-            d["archive_bits"] = self.archive_bits
+        for name in ("archive_bits", "clip_keys"):
+            if getattr(self, name) is not None:
+                d[name] = getattr(self, name)
         return d
 
     @classmethod
     def from_dict(cls, d: dict | str) -> "LayerRecipe":
         if isinstance(d, str):
             return cls(rotation=d)
-        unknown = sorted(set(d) - {"rotation", "errors", "source", "archive_bits"})
+        unknown = sorted(set(d) - {"rotation", "errors", "source", "archive_bits", "clip_keys"})
         if unknown:
-            raise ValueError(f"unknown recipe field(s) {unknown}; a recipe has rotation, errors, source, archive_bits")
+            raise ValueError(f"unknown recipe field(s) {unknown}; a recipe has rotation, errors, source, archive_bits, "
+                             "clip_keys")
         return cls(**d)
 
 
-def _attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
+def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
     """Causal attention of the last `L` positions: `queries [B, Hq, L, D]` over `keys/values [B, Hkv, T, D]`."""
     b, hq, q_len, _ = queries.shape
     hkv, t = keys.shape[1], keys.shape[2]
@@ -75,10 +81,10 @@ def attention_error(queries: torch.Tensor, keys: torch.Tensor, values: torch.Ten
                     approx_values: torch.Tensor, scaling: float) -> float:
     """Relative Frobenius error of the attention output of `queries` (the last positions, causal) when the keys
     and values `[B, Hkv, T, D]` are replaced by their approximations."""
-    return _relative_error(_attend(queries, keys, values, scaling), _attend(queries, approx_keys, approx_values, scaling))
+    return relative_error(attend(queries, keys, values, scaling), attend(queries, approx_keys, approx_values, scaling))
 
 
-def _relative_error(exact: torch.Tensor, approx: torch.Tensor) -> float:
+def relative_error(exact: torch.Tensor, approx: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
 
 
@@ -96,9 +102,9 @@ def choose_recipe(
     per quantized tier the layer has) give the smallest mean attention error for `queries`. A rotation must beat
     "none" by `margin` (relative) to be taken: small differences on a few hundred calibration positions do not carry
     over to the rest of the text (measured on Qwen2.5: rotations chosen on a 1-3 % lead lost perplexity)."""
-    exact = _attend(queries, keys, values, scaling)  # once: only the approximations change between candidates
+    exact = attend(queries, keys, values, scaling)  # once: only the approximations change between candidates
     errors = {
-        c: sum(_relative_error(exact, _attend(queries, *roundtrip(keys, values, c, t), scaling)) for t in tiers)
+        c: sum(relative_error(exact, attend(queries, *roundtrip(keys, values, c, t), scaling)) for t in tiers)
         / len(tiers)
         for c in candidates
     }
@@ -121,10 +127,10 @@ def choose_archive_bits(
     """The narrowest archive width from `bits` up to `max_bits` whose round trip (`roundtrip_at(width) -> (keys',
     values')`, `[B, Hkv, T, D]`) keeps the attention error of `queries` within `target`, with the error of every
     width tried (`{"archive-<width>": error}`); `max_bits` when none does."""
-    exact = _attend(queries, keys, values, scaling)
+    exact = attend(queries, keys, values, scaling)
     errors: dict[str, float] = {}
     for width in range(bits, max(bits, max_bits) + 1):
-        errors[f"archive-{width}"] = _relative_error(exact, _attend(queries, *roundtrip_at(width), scaling))
+        errors[f"archive-{width}"] = relative_error(exact, attend(queries, *roundtrip_at(width), scaling))
         if errors[f"archive-{width}"] <= target:
             return width, errors
     return max(bits, max_bits), errors

@@ -38,6 +38,7 @@ import torch
 from ..rope import rotate_half
 from .packing import pack_bits, unpack_bits
 from .rows import TokenRows
+from .kivi import CLIP_GRID
 from .uniform import scale_to_fp16
 
 AXES = ("channel", "token")
@@ -341,10 +342,41 @@ def _levels_for(codebook: NUQCodebook, x: torch.Tensor) -> torch.Tensor:
     return codebook.levels.float()[None, :, None]
 
 
-def quantize_nuq(x: torch.Tensor, codebook: NUQCodebook) -> NUQQuantized:
+def _nearest(u: torch.Tensor, mids: torch.Tensor) -> torch.Tensor:
+    """Codes (uint8) of the levels nearest to `u` `[..., T, D]`, given the midpoints between levels."""
+    return (u.unsqueeze(-1) > mids).sum(-1, dtype=torch.uint8)
+
+
+def _clip_search(x: torch.Tensor, mask: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor, axis: str, gs: int,
+                 lv: torch.Tensor, mids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per group, the scale `scale * r` (r in `CLIP_GRID`: the group's range shrunk around its midpoint, the
+    entries beyond it clipped to the outer levels) whose nuq round trip of the dense entries of `x` `[..., T, D]`
+    has the smallest squared error; returns that scale (fp16, group shape) and the normalized `u`."""
+    g, red = _gview(x, axis, gs)
+    m, _ = _gview(mask, axis, gs)
+    off = offset.float().unsqueeze(red)
+    levels = lv.expand(*x.shape, lv.shape[-1])
+    best_err, best_scale = None, scale
+    for r in CLIP_GRID:
+        s = scale_to_fp16(scale.float() * r) if r != 1.0 else scale
+        u = ((g - off) / s.float().unsqueeze(red)).clamp(-1.0, 1.0).reshape(x.shape)
+        rec = levels.gather(-1, _nearest(u, mids).long().unsqueeze(-1)).squeeze(-1)
+        err = torch.where(m, _gview(rec, axis, gs)[0] * s.float().unsqueeze(red) + off - g, 0.0).square().sum(red)
+        if best_err is None:
+            best_err = err
+        else:
+            better = err < best_err
+            best_err, best_scale = torch.where(better, err, best_err), torch.where(better, s, best_scale)
+    u = ((g - off) / best_scale.float().unsqueeze(red)).clamp(-1.0, 1.0)
+    return best_scale.contiguous(), torch.where(m, u, 0.0).reshape(x.shape)
+
+
+def quantize_nuq(x: torch.Tensor, codebook: NUQCodebook, clip_search: bool = False) -> NUQQuantized:
     """Quantize `x` `[batch, kv_heads, tokens, dim]` with `codebook` (its axis, group_size and outlier_frac).
 
-    Keys must already be pre-RoPE (`undo_rope`) if the codebook was fitted on pre-RoPE keys.
+    Keys must already be pre-RoPE (`undo_rope`) if the codebook was fitted on pre-RoPE keys. `clip_search`: each
+    group's scale is the one of `CLIP_GRID`'s shrunk ranges with the smallest squared error (as KIVI's clip search;
+    the stored layout is the same).
     """
     if not torch.is_floating_point(x):
         raise ValueError(f"can only quantize floating-point tensors, got {x.dtype}")
@@ -353,9 +385,11 @@ def quantize_nuq(x: torch.Tensor, codebook: NUQCodebook) -> NUQQuantized:
     dim = x.shape[-1]
     gs = _group_size(xf, codebook.axis, codebook.group_size)
     k = outlier_count(dim, codebook.outlier_frac)
-    u, _, scale, offset, idx, val = _normalize(xf, codebook.axis, gs, k)
+    u, mask, scale, offset, idx, val = _normalize(xf, codebook.axis, gs, k)
     mids = (lv[..., 1:] + lv[..., :-1]) * 0.5  # [1, H, 1, C, L-1]
-    codes = (u.unsqueeze(-1) > mids).sum(-1, dtype=torch.uint8)
+    if clip_search:
+        scale, u = _clip_search(xf, mask, scale, offset, codebook.axis, gs, lv, mids)
+    codes = _nearest(u, mids)
     idx_dtype = torch.uint8 if dim <= 256 else torch.int16
     return NUQQuantized(
         pack_bits(codes, codebook.bits), scale, offset, idx.to(idx_dtype), val, codebook, gs, dim
