@@ -296,3 +296,36 @@ def test_smollm2_greedy_tokens_equal_after_lossless_round_trip(smol):
     a = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
     b = model.generate(ids, past_key_values=back, max_new_tokens=12, do_sample=False)
     assert a[0, ids.shape[1]:].tolist() == b[0, ids.shape[1]:].tolist()
+
+
+def test_compact_symbol_streams_round_trip_and_pick_a_coarse_table_for_sparse_groups():
+    """`encode_symbols` (the lossless mode's streams) gives back every symbol; with 256-symbol alphabets and 200
+    symbols a group it stores uint8 tables (largest entry <= 255), smaller than the 65535-scaled uint16 tables of
+    `encode_groups`; a damaged header or table raises ValueError naming it."""
+    import numpy as np
+
+    from hf_kvcache.codec import entropy
+
+    rng = np.random.default_rng(0)
+    groups = [np.minimum(rng.geometric(0.05, size=200) - 1, 255) for _ in range(12)] + [np.zeros(0, np.int32)]
+    sizes = [g.size for g in groups]
+    data = entropy.encode_symbols(groups, 256)
+    back = entropy.decode_symbols(data, sizes, 256)
+    assert all((a == b).all() for a, b in zip(groups, back))
+    assert entropy.PRECISIONS[data[0] & 0x7F] <= 255
+    # measured: 2158 bytes (largest table entry 15) vs 2590 with the lossy mode's tables
+    assert len(data) < 0.84 * len(entropy.encode_groups(groups, 256))
+    with pytest.raises(ValueError, match="table precision"):
+        entropy.decode_symbols(bytes([0x7F]) + data[1:], sizes, 256)
+    with pytest.raises(ValueError, match="model table"):
+        entropy.decode_symbols(data, sizes + [5], 256)
+    with pytest.raises(ValueError, match="shorter than its header"):
+        entropy.decode_symbols(data[:3], sizes, 256)
+
+
+def test_blobs_of_the_previous_format_version_are_refused(blob, tiny):
+    """Format 2 (compact entropy tables) does not read format-1 blobs: they fail naming both versions."""
+    _, cfg, _ = tiny
+    old = MAGIC + struct.pack("<H", 1) + blob[len(MAGIC) + 2 :]
+    with pytest.raises(ValueError, match="unsupported KV blob format version 1: this hf-kvcache reads version 2"):
+        codec.decode(old, config=cfg)

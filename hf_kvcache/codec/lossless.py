@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .entropy import decode_groups, encode_groups, shuffle_compress, shuffle_decompress
+from .entropy import decode_symbols, encode_symbols, shuffle_compress, shuffle_decompress
 from .layers import LayerState, dtype_name, dtype_of
 from .lossy import join_parts, split_parts
 
@@ -67,7 +67,7 @@ def _ans_bytes(u8: np.ndarray, bits: int, by_channel: bool = False, joint: int =
         pad = (-sym.shape[2]) % joint
         sym = np.pad(sym, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (sym.ndim - 3)).astype(np.int32)
         sym = sum(sym[:, :, j::joint] << (bits * j) for j in range(joint))
-    return encode_groups(list(_rows(sym, by_channel).astype(np.int32)), 1 << (bits * joint))
+    return encode_symbols(list(_rows(sym, by_channel).astype(np.int32)), 1 << (bits * joint))
 
 
 def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: bool = False,
@@ -78,7 +78,7 @@ def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: boo
         sym_shape = (*sym_shape[:2], -(-sym_shape[2] // joint), *sym_shape[3:])
     numel = int(np.prod(sym_shape))
     groups = 1 if len(shape) < 2 or shape[1] == 0 else shape[1] * (sym_shape[-1] if by_channel and len(shape) >= 3 else 1)
-    rows = np.stack(decode_groups(data, [numel // groups] * groups))
+    rows = np.stack(decode_symbols(data, [numel // groups] * groups, 1 << (bits * joint)))
     sym = _from_rows(rows, sym_shape, by_channel)
     if joint > 1:
         mask = (1 << bits) - 1
