@@ -329,3 +329,33 @@ def test_blobs_of_the_previous_format_version_are_refused(blob, tiny):
     old = MAGIC + struct.pack("<H", 1) + blob[len(MAGIC) + 2 :]
     with pytest.raises(ValueError, match="unsupported KV blob format version 1: this hf-kvcache reads version 2"):
         codec.decode(old, config=cfg)
+
+
+def test_scale_referenced_zero_points_and_sign_split_high_bytes_round_trip():
+    """2-byte encodings: zero points coded against their scales' high bytes (`hi-ref-ans`, chosen where zero ~ -1.5
+    scale), per-channel signs (`sm-ans`, chosen where channels keep their sign); a zero point whose scales are missing
+    or decoded after it raises ValueError."""
+    from hf_kvcache.codec import lossless
+    from hf_kvcache.codec.layers import LayerState
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(1, 3, 500, 1, generator=g).add(0.05).mul(torch.tensor([1.0, 8.0, 60.0]).view(1, 3, 1, 1))
+    zero = (-1.5 * scale * (1 + 0.1 * torch.randn(1, 3, 500, 1, generator=g))).half()
+    scale = scale.half()
+    signed = torch.randn(1, 3, 64, 64, generator=g).add(torch.linspace(-3, 3, 64)).half()  # sign set by channel
+    state = LayerState({}, {"q.scale": scale, "q.zero": zero, "tail": signed})
+    body, meta = lossless.encode_state(state)
+    encs = {m["name"]: m["enc"] for m in meta["tensors"]}
+    assert encs == {"q.scale": "hi-ans", "q.zero": "hi-ref-ans", "tail": "sm-ans"}
+    back = lossless.decode_state(body, meta)
+    for name, x in state.tensors.items():
+        assert torch.equal(back.tensors[name].view(torch.int16), x.view(torch.int16)), name
+    # measured: 1838 bytes vs 2305 coded alone
+    alone, _ = lossless.encode_tensor(zero)
+    assert len(lossless.encode_tensor(zero, scale)[0]) < 0.82 * len(alone)
+    bad = {**meta, "tensors": [dict(m, ref="q.missing") if m["name"] == "q.zero" else m for m in meta["tensors"]]}
+    with pytest.raises(ValueError, match="refers to 'q.missing'"):
+        lossless.decode_state(body, bad)
+    with pytest.raises(ValueError, match="without its reference"):
+        lossless.decode_tensor(lossless.encode_tensor(zero, scale)[0], {"dtype": "float16", "shape": [1, 3, 500, 1],
+                                                                         "enc": "hi-ref-ans"})
