@@ -333,7 +333,7 @@ def test_blobs_of_the_previous_format_version_are_refused(blob, tiny):
 
 def test_scale_referenced_zero_points_and_sign_split_high_bytes_round_trip():
     """2-byte encodings: zero points coded against their scales' high bytes (`hi-ref-ans`, chosen where zero ~ -1.5
-    scale), per-channel signs (`sm-ans`, chosen where channels keep their sign); a zero point whose scales are missing
+    scale), per-channel majority signs flipped away (`hi-flip-ans`, chosen where channels keep their sign); a zero point whose scales are missing
     or decoded after it raises ValueError."""
     from hf_kvcache.codec import lossless
     from hf_kvcache.codec.layers import LayerState
@@ -346,7 +346,7 @@ def test_scale_referenced_zero_points_and_sign_split_high_bytes_round_trip():
     state = LayerState({}, {"q.scale": scale, "q.zero": zero, "tail": signed})
     body, meta = lossless.encode_state(state)
     encs = {m["name"]: m["enc"] for m in meta["tensors"]}
-    assert encs == {"q.scale": "hi-ans", "q.zero": "hi-ref-ans", "tail": "sm-ans"}
+    assert encs == {"q.scale": "hi-ans", "q.zero": "hi-ref-ans", "tail": "hi-flip-ans"}
     back = lossless.decode_state(body, meta)
     for name, x in state.tensors.items():
         assert torch.equal(back.tensors[name].view(torch.int16), x.view(torch.int16)), name

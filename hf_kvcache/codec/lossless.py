@@ -6,7 +6,7 @@
   per-channel key codes have a distribution of their own in every channel; or the symbols of 2-4 consecutive tokens
   of a channel coded as one (keys change slowly along the tokens: 6 % fewer bytes for 2-bit archive key codes);
 * 2-byte tensors (fp16 / bf16 scales / zeros / tails): the high bytes (sign, exponent, top mantissa bits)
-  entropy-coded per head or per (head, channel), or as per-channel signs + per-head magnitudes, or (a zero point,
+  entropy-coded per head or per (head, channel), or with each channel's majority sign flipped away, or (a zero point,
   `x.zero`, beside its scales `x.scale`) as the difference to the scale's high byte; the low bytes raw; or both byte
   planes zstd-compressed;
 * anything else: byte planes + zstd.
@@ -126,24 +126,36 @@ def _uncode(data: bytes, shape: tuple[int, ...], alphabet: int, by_channel: bool
 # 2-byte tensors (fp16 / bf16 scales, zero points, tails): the high byte (sign, exponent, top mantissa bits)
 # entropy-coded one of these ways, the low byte raw after it (nearly uniform: coding it gains nothing):
 # * hi-ans / hi-ansc: the high byte, one model per head / per (head, channel);
-# * sm-ans: the sign per (head, channel) (key channels keep their sign), the other 7 bits per head;
+# * hi-flip-ans (`[batch, heads, ..., channels]`): one bit per (head, channel), the channel's majority sign, then the
+#   high byte with that sign flipped away, per head (key channels keep their sign: most flipped signs are +);
 # * hi-ref-ans (a zero point with its scale beside it): the high byte minus the scale's high byte (mod 256) per
 #   head: a group's minimum is about -1.5 scales for 2-bit codes, so its exponent follows the scale's.
-_HI = ("hi-ans", "hi-ansc", "sm-ans", "hi-ref-ans")
+_HI = ("hi-ans", "hi-ansc", "hi-flip-ans", "hi-ref-ans")
+
+
+def _majority_sign(hi: np.ndarray) -> np.ndarray:
+    """`[batch, heads, ..., channels]` high bytes -> `[1, heads, 1..., channels]` 1 where most signs are negative."""
+    axes = (0, *range(2, hi.ndim - 1))
+    return (2 * (hi >> 7).sum(axis=axes, keepdims=True) > np.prod([hi.shape[a] for a in axes])).astype(np.int32)
 
 
 def _hi_bytes(hi: np.ndarray, enc: str, ref_hi: np.ndarray | None) -> bytes:
-    if enc == "sm-ans":
-        return join_parts([_code(hi >> 7, 2, True), _code(hi & 0x7F, 128, False)])
+    if enc == "hi-flip-ans":
+        flip = _majority_sign(hi)
+        return np.packbits(flip.astype(np.uint8)).tobytes() + _code(hi ^ (flip << 7), 256, False)
     if enc == "hi-ref-ans":
         return _code((hi.astype(np.int32) - ref_hi) % 256, 256, False)
     return _code(hi, 256, enc == "hi-ansc")
 
 
 def _hi_unbytes(data: bytes, shape: tuple[int, ...], enc: str, ref_hi: np.ndarray | None) -> np.ndarray:
-    if enc == "sm-ans":
-        sign, mag = split_parts(data, 2)
-        return (_uncode(sign, shape, 2, True) << 7) | _uncode(mag, shape, 128, False)
+    if enc == "hi-flip-ans":
+        if len(shape) < 3:
+            raise ValueError(f"corrupt KV blob: a hi-flip-ans tensor of shape {list(shape)} (needs >= 3 dims)")
+        n_flip = shape[1] * shape[-1]
+        flip = np.unpackbits(np.frombuffer(data, dtype=np.uint8, count=(n_flip + 7) // 8))[:n_flip]
+        flip = flip.astype(np.int32).reshape(1, shape[1], *[1] * (len(shape) - 3), shape[-1])
+        return _uncode(data[(n_flip + 7) // 8 :], shape, 256, False) ^ (flip << 7)
     if enc == "hi-ref-ans":
         return (_uncode(data, shape, 256, False) + ref_hi) % 256
     return _uncode(data, shape, 256, enc == "hi-ansc")
@@ -168,7 +180,7 @@ def encode_tensor(t: torch.Tensor, ref: torch.Tensor | None = None) -> tuple[byt
         if ref is not None and ref.shape == t.shape and ref.element_size() == 2:
             ref_hi = _planes(ref)[..., 1].astype(np.int32)
         for name in _HI:
-            if name != "hi-ref-ans" or ref_hi is not None:
+            if (name != "hi-ref-ans" or ref_hi is not None) and (name != "hi-flip-ans" or t.dim() >= 3):
                 candidates[name] = _hi_bytes(planes[..., 1], name, ref_hi) + lo
     enc = min(candidates, key=lambda k: len(candidates[k]))
     return candidates[enc], {**meta, "enc": enc}
