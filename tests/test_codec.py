@@ -333,8 +333,9 @@ def test_blobs_of_the_previous_format_version_are_refused(blob, tiny):
 
 def test_scale_referenced_zero_points_and_sign_split_high_bytes_round_trip():
     """2-byte encodings: zero points coded against their scales' high bytes (`hi-ref-ans`, chosen where zero ~ -1.5
-    scale), per-channel majority signs flipped away (`hi-flip-ans`, chosen where channels keep their sign); a zero point whose scales are missing
-    or decoded after it raises ValueError."""
+    scale), per-channel majority signs flipped away (`hi-flip-ans`, chosen where channels keep their sign); a zero
+    point whose scales are missing or decoded after it raises ValueError."""
+
     from hf_kvcache.codec import lossless
     from hf_kvcache.codec.layers import LayerState
 

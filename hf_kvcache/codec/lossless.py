@@ -153,6 +153,8 @@ def _hi_unbytes(data: bytes, shape: tuple[int, ...], enc: str, ref_hi: np.ndarra
         if len(shape) < 3:
             raise ValueError(f"corrupt KV blob: a hi-flip-ans tensor of shape {list(shape)} (needs >= 3 dims)")
         n_flip = shape[1] * shape[-1]
+        if len(data) < (n_flip + 7) // 8:
+            raise ValueError("corrupt KV blob: a hi-flip-ans tensor shorter than its sign-flip mask")
         flip = np.unpackbits(np.frombuffer(data, dtype=np.uint8, count=(n_flip + 7) // 8))[:n_flip]
         flip = flip.astype(np.int32).reshape(1, shape[1], *[1] * (len(shape) - 3), shape[-1])
         return _uncode(data[(n_flip + 7) // 8 :], shape, 256, False) ^ (flip << 7)
@@ -199,11 +201,12 @@ def decode_tensor(data: bytes, meta: dict, ref: torch.Tensor | None = None) -> t
         u8 = _ans_unbytes(data, shape, *_ANS[enc])
     elif enc in _HI:
         if itemsize != 2 or len(data) < numel:
-            raise ValueError(f"corrupt KV blob: a {enc} tensor of {numel} {meta['dtype']} values in {len(data)} bytes")
+            raise ValueError(f"corrupt KV blob: a {enc} tensor of {numel} {meta['dtype']} values in "
+                             f"{len(data)} bytes")
         ref_hi = None
         if enc == "hi-ref-ans":
             if ref is None or tuple(ref.shape) != shape or ref.element_size() != 2:
-                raise ValueError("corrupt KV blob: a hi-ref-ans tensor without its reference tensor of the same shape")
+                raise ValueError("corrupt KV blob: a hi-ref-ans tensor without its reference tensor (same shape)")
             ref_hi = _planes(ref)[..., 1].astype(np.int32)
         hi = _hi_unbytes(data[: len(data) - numel], shape, enc, ref_hi)
         lo = np.frombuffer(data, dtype=np.uint8, offset=len(data) - numel).reshape(shape)
