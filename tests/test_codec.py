@@ -296,3 +296,67 @@ def test_smollm2_greedy_tokens_equal_after_lossless_round_trip(smol):
     a = model.generate(ids, past_key_values=cache, max_new_tokens=12, do_sample=False)
     b = model.generate(ids, past_key_values=back, max_new_tokens=12, do_sample=False)
     assert a[0, ids.shape[1]:].tolist() == b[0, ids.shape[1]:].tolist()
+
+
+def test_compact_symbol_streams_round_trip_and_pick_a_coarse_table_for_sparse_groups():
+    """`encode_symbols` (the lossless mode's streams) gives back every symbol; with 256-symbol alphabets and 200
+    symbols a group it stores uint8 tables (largest entry <= 255), smaller than the 65535-scaled uint16 tables of
+    `encode_groups`; a damaged header or table raises ValueError naming it."""
+    import numpy as np
+
+    from hf_kvcache.codec import entropy
+
+    rng = np.random.default_rng(0)
+    groups = [np.minimum(rng.geometric(0.05, size=200) - 1, 255) for _ in range(12)] + [np.zeros(0, np.int32)]
+    sizes = [g.size for g in groups]
+    data = entropy.encode_symbols(groups, 256)
+    back = entropy.decode_symbols(data, sizes, 256)
+    assert all((a == b).all() for a, b in zip(groups, back))
+    assert entropy.PRECISIONS[data[0] & 0x7F] <= 255
+    # measured: 2158 bytes (largest table entry 15) vs 2590 with the lossy mode's tables
+    assert len(data) < 0.84 * len(entropy.encode_groups(groups, 256))
+    with pytest.raises(ValueError, match="table precision"):
+        entropy.decode_symbols(bytes([0x7F]) + data[1:], sizes, 256)
+    with pytest.raises(ValueError, match="model table"):
+        entropy.decode_symbols(data, sizes + [5], 256)
+    with pytest.raises(ValueError, match="shorter than its header"):
+        entropy.decode_symbols(data[:3], sizes, 256)
+
+
+def test_blobs_of_the_previous_format_version_are_refused(blob, tiny):
+    """Format 2 (compact entropy tables) does not read format-1 blobs: they fail naming both versions."""
+    _, cfg, _ = tiny
+    old = MAGIC + struct.pack("<H", 1) + blob[len(MAGIC) + 2 :]
+    with pytest.raises(ValueError, match="unsupported KV blob format version 1: this hf-kvcache reads version 2"):
+        codec.decode(old, config=cfg)
+
+
+def test_scale_referenced_zero_points_and_sign_split_high_bytes_round_trip():
+    """2-byte encodings: zero points coded against their scales' high bytes (`hi-ref-ans`, chosen where zero ~ -1.5
+    scale), per-channel majority signs flipped away (`hi-flip-ans`, chosen where channels keep their sign); a zero
+    point whose scales are missing or decoded after it raises ValueError."""
+
+    from hf_kvcache.codec import lossless
+    from hf_kvcache.codec.layers import LayerState
+
+    g = torch.Generator().manual_seed(0)
+    scale = torch.rand(1, 3, 500, 1, generator=g).add(0.05).mul(torch.tensor([1.0, 8.0, 60.0]).view(1, 3, 1, 1))
+    zero = (-1.5 * scale * (1 + 0.1 * torch.randn(1, 3, 500, 1, generator=g))).half()
+    scale = scale.half()
+    signed = torch.randn(1, 3, 64, 64, generator=g).add(torch.linspace(-3, 3, 64)).half()  # sign set by channel
+    state = LayerState({}, {"q.scale": scale, "q.zero": zero, "tail": signed})
+    body, meta = lossless.encode_state(state)
+    encs = {m["name"]: m["enc"] for m in meta["tensors"]}
+    assert encs == {"q.scale": "hi-ans", "q.zero": "hi-ref-ans", "tail": "hi-flip-ans"}
+    back = lossless.decode_state(body, meta)
+    for name, x in state.tensors.items():
+        assert torch.equal(back.tensors[name].view(torch.int16), x.view(torch.int16)), name
+    # measured: 1838 bytes vs 2305 coded alone
+    alone, _ = lossless.encode_tensor(zero)
+    assert len(lossless.encode_tensor(zero, scale)[0]) < 0.82 * len(alone)
+    bad = {**meta, "tensors": [dict(m, ref="q.missing") if m["name"] == "q.zero" else m for m in meta["tensors"]]}
+    with pytest.raises(ValueError, match="refers to 'q.missing'"):
+        lossless.decode_state(body, bad)
+    with pytest.raises(ValueError, match="without its reference"):
+        lossless.decode_tensor(lossless.encode_tensor(zero, scale)[0], {"dtype": "float16", "shape": [1, 3, 500, 1],
+                                                                         "enc": "hi-ref-ans"})

@@ -26,7 +26,7 @@ from typing import Any
 import zstandard
 
 MAGIC = b"HFKVCODEC"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: compact entropy tables and scale-referenced / sign-flipped high bytes in lossless sections
 _PREFIX = struct.Struct("<HII")  # version, header length, header crc
 _FIXED = len(MAGIC) + _PREFIX.size
 

@@ -5,11 +5,14 @@
   one categorical model per KV head (`[batch, heads, tokens, ...]` tensors) or per (KV head, last-dim position):
   per-channel key codes have a distribution of their own in every channel; or the symbols of 2-4 consecutive tokens
   of a channel coded as one (keys change slowly along the tokens: 6 % fewer bytes for 2-bit archive key codes);
-* 2-byte tensors (fp16 scales / zeros / tails): the high bytes (sign, exponent, top mantissa bits) entropy-coded per
-  head or per (head, channel), the low bytes raw; or both byte planes zstd-compressed;
+* 2-byte tensors (fp16 / bf16 scales / zeros / tails): the high bytes (sign, exponent, top mantissa bits)
+  entropy-coded per head or per (head, channel), or with each channel's majority sign flipped away, or (a zero point,
+  `x.zero`, beside its scales `x.scale`) as the difference to the scale's high byte; the low bytes raw; or both byte
+  planes zstd-compressed;
 * anything else: byte planes + zstd.
 
-Each tensor keeps whichever candidate is smallest (its name is in the metadata), so the round trip is bit-exact.
+Entropy-coded streams carry compact model tables (`entropy.encode_symbols`). Each tensor keeps whichever candidate is
+smallest (its name is in the metadata, and the tensor it was coded against, if any), so the round trip is bit-exact.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .entropy import decode_groups, encode_groups, shuffle_compress, shuffle_decompress
+from .entropy import decode_symbols, encode_symbols, shuffle_compress, shuffle_decompress
 from .layers import LayerState, dtype_name, dtype_of
 from .lossy import join_parts, split_parts
 
@@ -67,7 +70,7 @@ def _ans_bytes(u8: np.ndarray, bits: int, by_channel: bool = False, joint: int =
         pad = (-sym.shape[2]) % joint
         sym = np.pad(sym, [(0, 0), (0, 0), (0, pad)] + [(0, 0)] * (sym.ndim - 3)).astype(np.int32)
         sym = sum(sym[:, :, j::joint] << (bits * j) for j in range(joint))
-    return encode_groups(list(_rows(sym, by_channel).astype(np.int32)), 1 << (bits * joint))
+    return encode_symbols(list(_rows(sym, by_channel).astype(np.int32)), 1 << (bits * joint))
 
 
 def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: bool = False,
@@ -78,7 +81,7 @@ def _ans_unbytes(data: bytes, shape: tuple[int, ...], bits: int, by_channel: boo
         sym_shape = (*sym_shape[:2], -(-sym_shape[2] // joint), *sym_shape[3:])
     numel = int(np.prod(sym_shape))
     groups = 1 if len(shape) < 2 or shape[1] == 0 else shape[1] * (sym_shape[-1] if by_channel and len(shape) >= 3 else 1)
-    rows = np.stack(decode_groups(data, [numel // groups] * groups))
+    rows = np.stack(decode_symbols(data, [numel // groups] * groups, 1 << (bits * joint)))
     sym = _from_rows(rows, sym_shape, by_channel)
     if joint > 1:
         mask = (1 << bits) - 1
@@ -107,8 +110,62 @@ for _b in (8, 4, 2):
 del _b
 
 
-def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
-    """Bytes and metadata (name-free) of one tensor: the smallest bit-exact candidate encoding."""
+def _code(x: np.ndarray, alphabet: int, by_channel: bool) -> bytes:
+    """Entropy-code the integers `x` (`[batch, heads, ...]`, values in `[0, alphabet)`): one model per head, or per
+    (head, last-dim position) with `by_channel`."""
+    return encode_symbols(list(_rows(x, by_channel).astype(np.int32)), alphabet)
+
+
+def _uncode(data: bytes, shape: tuple[int, ...], alphabet: int, by_channel: bool) -> np.ndarray:
+    """Inverse of `_code`: int32 `shape`."""
+    groups = 1 if len(shape) < 2 or shape[1] == 0 else shape[1] * (shape[-1] if by_channel and len(shape) >= 3 else 1)
+    numel = int(np.prod(shape))
+    return _from_rows(np.stack(decode_symbols(data, [numel // groups] * groups, alphabet)), shape, by_channel)
+
+
+# 2-byte tensors (fp16 / bf16 scales, zero points, tails): the high byte (sign, exponent, top mantissa bits)
+# entropy-coded one of these ways, the low byte raw after it (nearly uniform: coding it gains nothing):
+# * hi-ans / hi-ansc: the high byte, one model per head / per (head, channel);
+# * hi-flip-ans (`[batch, heads, ..., channels]`): one bit per (head, channel), the channel's majority sign, then the
+#   high byte with that sign flipped away, per head (key channels keep their sign: most flipped signs are +);
+# * hi-ref-ans (a zero point with its scale beside it): the high byte minus the scale's high byte (mod 256) per
+#   head: a group's minimum is about -1.5 scales for 2-bit codes, so its exponent follows the scale's.
+_HI = ("hi-ans", "hi-ansc", "hi-flip-ans", "hi-ref-ans")
+
+
+def _majority_sign(hi: np.ndarray) -> np.ndarray:
+    """`[batch, heads, ..., channels]` high bytes -> `[1, heads, 1..., channels]` 1 where most signs are negative."""
+    axes = (0, *range(2, hi.ndim - 1))
+    return (2 * (hi >> 7).sum(axis=axes, keepdims=True) > np.prod([hi.shape[a] for a in axes])).astype(np.int32)
+
+
+def _hi_bytes(hi: np.ndarray, enc: str, ref_hi: np.ndarray | None) -> bytes:
+    if enc == "hi-flip-ans":
+        flip = _majority_sign(hi)
+        return np.packbits(flip.astype(np.uint8)).tobytes() + _code(hi ^ (flip << 7), 256, False)
+    if enc == "hi-ref-ans":
+        return _code((hi.astype(np.int32) - ref_hi) % 256, 256, False)
+    return _code(hi, 256, enc == "hi-ansc")
+
+
+def _hi_unbytes(data: bytes, shape: tuple[int, ...], enc: str, ref_hi: np.ndarray | None) -> np.ndarray:
+    if enc == "hi-flip-ans":
+        if len(shape) < 3:
+            raise ValueError(f"corrupt KV blob: a hi-flip-ans tensor of shape {list(shape)} (needs >= 3 dims)")
+        n_flip = shape[1] * shape[-1]
+        if len(data) < (n_flip + 7) // 8:
+            raise ValueError("corrupt KV blob: a hi-flip-ans tensor shorter than its sign-flip mask")
+        flip = np.unpackbits(np.frombuffer(data, dtype=np.uint8, count=(n_flip + 7) // 8))[:n_flip]
+        flip = flip.astype(np.int32).reshape(1, shape[1], *[1] * (len(shape) - 3), shape[-1])
+        return _uncode(data[(n_flip + 7) // 8 :], shape, 256, False) ^ (flip << 7)
+    if enc == "hi-ref-ans":
+        return (_uncode(data, shape, 256, False) + ref_hi) % 256
+    return _uncode(data, shape, 256, enc == "hi-ansc")
+
+
+def encode_tensor(t: torch.Tensor, ref: torch.Tensor | None = None) -> tuple[bytes, dict]:
+    """Bytes and metadata (name-free) of one tensor: the smallest bit-exact candidate encoding. `ref`: for a 2-byte
+    zero-point tensor, the scales of the same groups (same shape), decoded before it (`hi-ref-ans`)."""
     meta = {"dtype": dtype_name(t.dtype), "shape": list(t.shape)}
     if t.numel() == 0:
         return b"", {**meta, "enc": "empty"}
@@ -120,13 +177,19 @@ def encode_tensor(t: torch.Tensor) -> tuple[bytes, dict]:
                 candidates[name] = _ans_bytes(u8, bits, by_channel, joint)
     elif t.element_size() == 2:
         planes = _planes(t)
-        candidates["hi-ans"] = join_parts([_ans_bytes(planes[..., 1], 8), planes[..., 0].tobytes()])
-        candidates["hi-ansc"] = join_parts([_ans_bytes(planes[..., 1], 8, True), planes[..., 0].tobytes()])
+        lo = planes[..., 0].tobytes()
+        ref_hi = None
+        if ref is not None and ref.shape == t.shape and ref.element_size() == 2:
+            ref_hi = _planes(ref)[..., 1].astype(np.int32)
+        for name in _HI:
+            if (name != "hi-ref-ans" or ref_hi is not None) and (name != "hi-flip-ans" or t.dim() >= 3):
+                candidates[name] = _hi_bytes(planes[..., 1], name, ref_hi) + lo
     enc = min(candidates, key=lambda k: len(candidates[k]))
     return candidates[enc], {**meta, "enc": enc}
 
 
-def decode_tensor(data: bytes, meta: dict) -> torch.Tensor:
+def decode_tensor(data: bytes, meta: dict, ref: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse of `encode_tensor` (`ref`: the decoded reference tensor, for `hi-ref-ans`)."""
     dt = dtype_of(meta["dtype"])
     shape = tuple(meta["shape"])
     enc = meta["enc"]
@@ -136,12 +199,18 @@ def decode_tensor(data: bytes, meta: dict) -> torch.Tensor:
     numel = int(np.prod(shape))
     if enc in _ANS:
         u8 = _ans_unbytes(data, shape, *_ANS[enc])
-    elif enc in ("hi-ans", "hi-ansc"):
-        hi_part, lo_part = split_parts(data, 2)
-        if len(lo_part) != numel:
-            raise ValueError("corrupt KV blob: low-byte plane has the wrong size")
-        hi = _ans_unbytes(hi_part, shape, 8, by_channel=enc == "hi-ansc")
-        u8 = np.stack([np.frombuffer(lo_part, dtype=np.uint8).reshape(shape), hi], -1)
+    elif enc in _HI:
+        if itemsize != 2 or len(data) < numel:
+            raise ValueError(f"corrupt KV blob: a {enc} tensor of {numel} {meta['dtype']} values in "
+                             f"{len(data)} bytes")
+        ref_hi = None
+        if enc == "hi-ref-ans":
+            if ref is None or tuple(ref.shape) != shape or ref.element_size() != 2:
+                raise ValueError("corrupt KV blob: a hi-ref-ans tensor without its reference tensor (same shape)")
+            ref_hi = _planes(ref)[..., 1].astype(np.int32)
+        hi = _hi_unbytes(data[: len(data) - numel], shape, enc, ref_hi)
+        lo = np.frombuffer(data, dtype=np.uint8, offset=len(data) - numel).reshape(shape)
+        u8 = np.stack([lo, hi.astype(np.uint8)], -1)
     elif enc == "zstd-shuffle":
         u8 = np.frombuffer(shuffle_decompress(data, itemsize, numel * itemsize), dtype=np.uint8)
     else:
@@ -150,18 +219,28 @@ def decode_tensor(data: bytes, meta: dict) -> torch.Tensor:
     return raw.view(dt).reshape(shape)
 
 
+def _reference(name: str) -> str | None:
+    """The tensor a zero-point tensor may be coded against: its scales (`x.zero` -> `x.scale`)."""
+    return name.removesuffix("zero") + "scale" if name.endswith(".zero") else None
+
+
 def encode_state(state: LayerState) -> tuple[bytes, dict]:
     """One section (all tensors of a layer) and its metadata."""
     names = sorted(state.tensors)
     parts, metas = [], []
     for name in names:
-        body, meta = encode_tensor(state.tensors[name])
+        ref = _reference(name)
+        body, meta = encode_tensor(state.tensors[name], state.tensors.get(ref) if ref else None)
         parts.append(body)
-        metas.append({"name": name, **meta})
+        metas.append({"name": name, **meta, **({"ref": ref} if meta["enc"] == "hi-ref-ans" else {})})
     return join_parts(parts), {"scalars": state.scalars, "tensors": metas}
 
 
 def decode_state(data: bytes, meta: dict) -> LayerState:
     parts = split_parts(data, len(meta["tensors"]))
-    tensors = {m["name"]: decode_tensor(p, m) for p, m in zip(parts, meta["tensors"])}
+    tensors: dict[str, torch.Tensor] = {}
+    for p, m in zip(parts, meta["tensors"]):  # in name order: a zero point's scales (its "ref") come before it
+        if "ref" in m and m["ref"] not in tensors:
+            raise ValueError(f"corrupt KV blob: tensor {m['name']!r} refers to {m['ref']!r}, not decoded before it")
+        tensors[m["name"]] = decode_tensor(p, m, tensors.get(m.get("ref")))
     return LayerState(dict(meta["scalars"]), tensors)
