@@ -54,7 +54,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "ms": ("{:.3f}", "ms"),
     "gb_per_s": ("{:.1f}", "GB/s"),
     "peak_mb": ("{:.1f}", "peak MB"),
-    "vs_sdpa": ("{:.2f}x", "vs sdpa fp16"),
+    "vs_sdpa": ("{:.2f}x", "vs sdpa"),
     "update_ms": ("{:.2f}", "update ms"),
     "update_worst_ms": ("{:.2f}", "worst"),
     "store_ms": ("{:.2f}", "store ms"),
@@ -63,6 +63,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "accuracy": ("{:.1%}", "mean"),
     "trials": ("{}", "trials"),
 }
+LAST = ("accuracy", "trials")  # after the suite's own columns (passkey: after the accuracy per depth)
 DEPTH_PREFIX = "depth "  # passkey: "depth 0.5" -> accuracy at that depth
 # in the JSON, not in the table: said once above the table, or too long for a cell
 HIDDEN = {"suite", "model", "section", "fp16_bytes", "seconds", "layer"}
@@ -117,14 +118,13 @@ def _columns(rows: list[Row]) -> list[tuple[str, str, str]]:
         keys += [k for k, v in r.items() if k not in keys and k not in HIDDEN and _shown(v)]
     if len({r.get("tokens") for r in rows}) == 1:  # the same for every row: said above the table
         keys = [k for k in keys if k != "tokens"]
-    known = [k for k in COLUMNS if k in keys]
-    rest = [k for k in keys if k not in COLUMNS]
-    cols = [(k, *COLUMNS[k]) for k in known]
-    for k in rest:
-        fmt = "{:.0%}" if k.startswith(DEPTH_PREFIX) else "{:.3f}" if any(isinstance(r.get(k), float) for r in rows) \
-            else "{}"
-        cols.append((k, fmt, k))
-    return cols
+    cols = [(k, *COLUMNS[k]) for k in COLUMNS if k in keys and k not in LAST]
+    for k in keys:
+        if k not in COLUMNS:
+            fmt = "{:.0%}" if k.startswith(DEPTH_PREFIX) else "{:.3f}" if any(isinstance(r.get(k), float) for r in rows) \
+                else "{}"
+            cols.append((k, fmt, k))
+    return cols + [(k, *COLUMNS[k]) for k in LAST if k in keys]
 
 
 def _cell(row: Row, key: str, fmt: str) -> str:

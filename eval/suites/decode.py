@@ -62,6 +62,8 @@ def measure_interleaved(model, chosen: list[tuple[str, str, CacheSpec]], ids: to
     for name, attn, spec in chosen:
         model.set_attn_implementation(attn)
         caches[name] = spec.build(model)
+        if attn == "hf_kvcache":  # read in place while the model runs that attention (what generate sets up)
+            caches[name].bind(model)
         for s in range(0, context, chunk):
             model(input_ids=ids[:, s : min(s + chunk, context)], past_key_values=caches[name], use_cache=True)
     step_ids = ids[:, context:]

@@ -7,10 +7,10 @@ sizes there are 1K..128K tokens at batch 1, 4, 16. Without one it runs on the CP
 decode_attention on float32 inputs (1K..16K tokens, batch 1 and 4), which says nothing about the GPU kernel.
 `--device cuda` without a visible GPU is an error. GPU readiness without a GPU: `hf-kvcache kernel-report`.
 
-Rows, one per variant, length and batch: `cache` (fused / sdpa fp16 / dequantize + sdpa), `tokens`, `batch`, `ms`
+Rows, one per variant, length and batch: `cache` (fused / sdpa fp16 (fp32 on the CPU) / dequantize + sdpa), `tokens`, `batch`, `ms`
 (median of `--iters` runs after warm-up; CUDA events or perf_counter), `gb_per_s` (bytes the variant reads / time),
 `peak_mb` (CUDA max_memory_allocated above the inputs, or on CPU the torch profiler's allocation events replayed in
-time order), `vs_sdpa` (sdpa fp16 time / this time).
+time order), `vs_sdpa` (sdpa time / this time).
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def run(opts: SuiteOptions) -> list[Row]:
             del k, v
             variants = (
                 ("fused", lambda: decode_attention(q, [seg])[0], seg.nbytes()),
-                ("sdpa fp16", lambda: F.scaled_dot_product_attention(q, k16, v16, enable_gqa=True),
+                (f"sdpa {'fp16' if cuda else 'fp32'}", lambda: F.scaled_dot_product_attention(q, k16, v16, enable_gqa=True),
                  k16.nbytes + v16.nbytes),
                 ("dequantize + sdpa", lambda: F.scaled_dot_product_attention(q, *seg.dequantize(q.dtype),
                                                                              enable_gqa=True), seg.nbytes()),
