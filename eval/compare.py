@@ -71,24 +71,12 @@ def compare_table(rows: list[Row]) -> str:
     return format_rows(rows)
 
 
-def run_compare(
-    specs: list[CacheSpec],
-    model_name: str = "smollm2-135m",
-    text: str = "moby-dick",
-    start: int = 5000,
-    tokens: int = 1024,
-    chunk: int = 32,
-    decode_steps: int = 16,
-    json_path: str | None = None,
-    png_path: str | None = None,
-    title: str = "",
-    progress: bool = True,
-) -> list[Row]:
-    """Perplexity rows of every spec (the first one the baseline), written to `json_path` and plotted to `png_path`."""
-    if tokens < 2:
-        raise ValueError(f"--tokens must be at least 2 (tokens scored), got {tokens}")
+def run_compare(specs: list[CacheSpec], model_name: str = "smollm2-135m", text: str = "moby-dick", *,
+                json_path: str | None = None, png_path: str | None = None, title: str = "", **bench) -> list[Row]:
+    """Perplexity rows of every spec (the first one the baseline), written to `json_path` and plotted to `png_path`;
+    `bench`: the other arguments of `bench.run_benchmark` (start, tokens, chunk, decode_steps, progress)."""
     check_outputs(json_path, png_path)
-    rows = run_benchmark(specs, model_name, text, start, tokens, chunk, decode_steps, progress=progress)
+    rows = run_benchmark(specs, model_name, text, **bench)
     rows = [make_row("perplexity", r.pop("cache"), model_name, r.pop("tokens"), **r) for r in rows]
     write_json(json_path, rows)
     if png_path is not None:

@@ -121,9 +121,8 @@ def _columns(rows: list[Row]) -> list[tuple[str, str, str]]:
     cols = [(k, *COLUMNS[k]) for k in COLUMNS if k in keys and k not in LAST]
     for k in keys:
         if k not in COLUMNS:
-            fmt = "{:.0%}" if k.startswith(DEPTH_PREFIX) else "{:.3f}" if any(isinstance(r.get(k), float) for r in rows) \
-                else "{}"
-            cols.append((k, fmt, k))
+            floats = any(isinstance(r.get(k), float) for r in rows)
+            cols.append((k, "{:.0%}" if k.startswith(DEPTH_PREFIX) else "{:.3f}" if floats else "{}", k))
     return cols + [(k, *COLUMNS[k]) for k in LAST if k in keys]
 
 

@@ -3,9 +3,9 @@
 import json
 
 import pytest
+from hf_kvcache.eval.rows import COMMON, format_rows, make_row
 
 from hf_kvcache.cli import main
-from hf_kvcache.eval.rows import COMMON, format_rows, make_row
 
 
 # ---- the one formatter -----------------------------------------------------------------------------------------------

@@ -7,8 +7,8 @@ and 4096), then times `--decode-steps` (64) single-token steps, all layers. No m
 Rows, one per cache and length: `update_ms` / `update_worst_ms` (the whole `cache.update`: dequantizing the past for
 attention + storing the new token; mean and worst step: a worst step is one where groups graduate between tiers, or
 where HF's QuantizedLayer flushes); for tiered layers `store_ms` / `store_worst_ms` (only the storing part, `append`:
-tail, graduation, quantization) and `quantized_per_step` (tokens stored quantized per step and layer: the warm and archive tiers' `_quantize`
-calls, not calibration round trips).
+tail, graduation, quantization) and `quantized_per_step` (tokens stored quantized per step and layer: the warm and
+archive tiers' `_quantize` calls, not calibration round trips).
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache

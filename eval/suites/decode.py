@@ -22,9 +22,9 @@ import statistics
 import time
 
 import torch
+from hf_kvcache.kernels.blockwise import scratch_bytes
 
 from hf_kvcache.caches.base import memory_stats
-from hf_kvcache.kernels.blockwise import scratch_bytes
 
 from ..assets import load_model, load_text, load_tokens
 from ..bench import CacheSpec
@@ -83,7 +83,7 @@ def measure_interleaved(model, chosen: list[tuple[str, str, CacheSpec]], ids: to
             model.set_attn_implementation(attn)
             cache = caches[name]
 
-            def one_step() -> None:
+            def one_step(cache=cache) -> None:
                 model(input_ids=step_ids[:, steps : steps + 1], past_key_values=cache, use_cache=True)
 
             peak = gpu_peak_bytes(one_step) if ids.is_cuda else cpu_peak_bytes(one_step)

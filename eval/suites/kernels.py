@@ -7,21 +7,20 @@ sizes there are 1K..128K tokens at batch 1, 4, 16. Without one it runs on the CP
 decode_attention on float32 inputs (1K..16K tokens, batch 1 and 4), which says nothing about the GPU kernel.
 `--device cuda` without a visible GPU is an error. GPU readiness without a GPU: `hf-kvcache kernel-report`.
 
-Rows, one per variant, length and batch: `cache` (fused / sdpa fp16 (fp32 on the CPU) / dequantize + sdpa), `tokens`, `batch`, `ms`
-(median of `--iters` runs after warm-up; CUDA events or perf_counter), `gb_per_s` (bytes the variant reads / time),
-`peak_mb` (CUDA max_memory_allocated above the inputs, or on CPU the torch profiler's allocation events replayed in
-time order), `vs_sdpa` (sdpa time / this time).
+Rows, one per variant, length and batch: `cache` (fused / sdpa fp16 (fp32 on the CPU) / dequantize + sdpa),
+`tokens`, `batch`, `ms` (median of `--iters` runs after warm-up; CUDA events or perf_counter), `gb_per_s` (bytes
+the variant reads / time), `peak_mb` (CUDA max_memory_allocated above the inputs, or on CPU the torch profiler's
+allocation events replayed in time order), `vs_sdpa` (sdpa time / this time).
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
-
 from hf_kvcache.kernels.decode_attention import decode_attention
 from hf_kvcache.kernels.kivi_pack import kivi_quantize_keys, kivi_quantize_values
 from hf_kvcache.kernels.segments import QuantSegment
@@ -95,6 +94,29 @@ def pick_device(device: str | None) -> str:
     return device
 
 
+def time_case(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, seg: QuantSegment, iters: int,
+              cuda: bool) -> list[tuple[str, float, float, float]]:
+    """(variant, ms, GB/s, peak MB) of the three variants on one case."""
+
+    def fused():
+        return decode_attention(q, [seg])[0]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k16, v16, enable_gqa=True)
+
+    def dequantize_sdpa():
+        return F.scaled_dot_product_attention(q, *seg.dequantize(q.dtype), enable_gqa=True)
+
+    peak_fn = gpu_peak_bytes if cuda else cpu_peak_bytes
+    out = []
+    for name, fn, nbytes in (("fused", fused, seg.nbytes()),
+                             (f"sdpa {'fp16' if cuda else 'fp32'}", sdpa, k16.nbytes + v16.nbytes),
+                             ("dequantize + sdpa", dequantize_sdpa, seg.nbytes())):
+        ms = time_ms(fn, iters, "cuda" if cuda else "cpu")
+        out.append((name, ms, nbytes / ms / 1e6, peak_fn(fn) / 2**20))
+    return out
+
+
 def run(opts: SuiteOptions) -> list[Row]:
     """Rows of every (batch, tokens), three variants each."""
     device = pick_device(opts.device)
@@ -102,7 +124,6 @@ def run(opts: SuiteOptions) -> list[Row]:
     lengths = opts.tokens or ([1024, 4096, 16384, 32768, 65536, 131072] if cuda else [1024, 4096, 16384])
     batches = opts.batch or ([1, 4, 16] if cuda else [1, 4])
     dtype = torch.float16 if cuda else torch.float32
-    peak_fn = gpu_peak_bytes if cuda else cpu_peak_bytes
     where = torch.cuda.get_device_name() if cuda else "cpu"
     model = (f"random {where} kv_heads={opts.kv_heads} group={opts.group} head_dim={opts.head_dim} "
              f"bits={opts.bits}")
@@ -112,21 +133,10 @@ def run(opts: SuiteOptions) -> list[Row]:
             q, k, v, seg = make_case(batch, tokens, opts.kv_heads, opts.group, opts.head_dim, opts.bits, device,
                                      dtype)
             k16, v16 = (k.half(), v.half()) if cuda else (k, v)
-            del k, v
-            variants = (
-                ("fused", lambda: decode_attention(q, [seg])[0], seg.nbytes()),
-                (f"sdpa {'fp16' if cuda else 'fp32'}", lambda: F.scaled_dot_product_attention(q, k16, v16, enable_gqa=True),
-                 k16.nbytes + v16.nbytes),
-                ("dequantize + sdpa", lambda: F.scaled_dot_product_attention(q, *seg.dequantize(q.dtype),
-                                                                             enable_gqa=True), seg.nbytes()),
-            )
-            group = []
-            for name, fn, nbytes in variants:
-                ms = time_ms(fn, opts.iters, "cuda" if cuda else "cpu")
-                group.append(make_row("kernels", name, model, tokens, batch=batch, ms=ms, gb_per_s=nbytes / ms / 1e6,
-                                      peak_mb=peak_fn(fn) / 2**20))
-            for row in group:
-                row["vs_sdpa"] = group[1]["ms"] / row["ms"]
-            rows += group
+            del k, v  # on CUDA only the fp16 copies stay
+            timed = time_case(q, k16, v16, seg, opts.iters, cuda)
             del q, k16, v16, seg
+            sdpa_ms = timed[1][1]
+            rows += [make_row("kernels", name, model, tokens, batch=batch, ms=ms, gb_per_s=gbps, peak_mb=peak,
+                              vs_sdpa=sdpa_ms / ms) for name, ms, gbps, peak in timed]
     return rows
