@@ -101,7 +101,7 @@ def test_kernels_suite_on_the_cpu(capsys, tmp_path):
 def test_passkey_suite_runs_each_budget_of_a_budget_taking_cache(capsys, tmp_path):
     path = tmp_path / "passkey.json"
     assert main(["compare", "--suite", "passkey", "--tokens", "160", "--depths", "1", "--trials", "1",
-                 "--new-tokens", "4", "--caches", "dynamic", "h2o", "--budgets", "0.5", "64", "--json",
+                 "--caches", "dynamic", "h2o", "--budgets", "0.5", "64", "--json",
                  str(path)]) == 0
     rows = json.loads(path.read_text())
     assert [r["cache"] for r in rows] == ["dynamic", "h2o budget=0.5", "h2o budget=64"]
