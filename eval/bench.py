@@ -87,6 +87,24 @@ def available_caches(with_requirements: bool = False) -> list:
     return [(n, missing_peer_package(n) if n in PEER_CACHES else None) for n in names]
 
 
+def parse_specs(texts: list[str]) -> list[CacheSpec]:
+    """Specs of `--caches`, with distinct labels (the rows, the table and the plot name caches by label)."""
+    if not texts:
+        raise ValueError("give at least one cache: --caches dynamic int4 ...")
+    specs = [CacheSpec.parse(t) for t in texts]
+    names = available_caches()
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name not in names:
+            raise ValueError(f"unknown cache {spec.name!r} in --caches; pick among: {', '.join(names)} "
+                             "(hf-kvcache caches lists them)")
+        if spec.label in seen:
+            raise ValueError(f"two caches share the label {spec.label!r}; name one: 'other-{spec.name}={spec.name}:"
+                             "{...}'")
+        seen.add(spec.label)
+    return specs
+
+
 @torch.inference_mode()
 def decode_tokens_per_s(model, cache: Cache, next_ids: torch.Tensor) -> float:
     """Tokens/s of single-token decoding steps on a filled cache (adds `next_ids` to it)."""

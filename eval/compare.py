@@ -22,10 +22,12 @@ import argparse
 import importlib.util
 import os
 
-from .bench import CacheSpec, available_caches, run_benchmark
+from .bench import CacheSpec, parse_specs, run_benchmark
 from .pareto import Point, plot
 from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
 from .suites import SUITES, SuiteOptions, run_suite
+
+__all__ = ["add_arguments", "check_outputs", "compare_table", "main_args", "parse_specs", "points_of", "run_compare"]
 
 PARETO_SUITES = ("perplexity", "peers", "ablations", "cpac")  # the suites whose rows carry ratio and delta
 
@@ -41,24 +43,6 @@ def check_outputs(json_path: str | None, png_path: str | None) -> None:
         folder = os.path.dirname(path) if path else ""
         if folder and not os.path.isdir(folder):
             raise ValueError(f"the folder of {path!r} does not exist; create it first (mkdir -p {folder})")
-
-
-def parse_specs(texts: list[str]) -> list[CacheSpec]:
-    """Specs of `--caches`, with distinct labels (the rows, the table and the plot name caches by label)."""
-    if not texts:
-        raise ValueError("give at least one cache: --caches dynamic int4 ...")
-    specs = [CacheSpec.parse(t) for t in texts]
-    names = available_caches()
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name not in names:
-            raise ValueError(f"unknown cache {spec.name!r} in --caches; pick among: {', '.join(names)} "
-                             "(hf-kvcache caches lists them)")
-        if spec.label in seen:
-            raise ValueError(f"two caches share the label {spec.label!r}; name one: 'other-{spec.name}={spec.name}:"
-                             "{...}'")
-        seen.add(spec.label)
-    return specs
 
 
 def points_of(rows: list[Row], source: str = "compare") -> list[Point]:

@@ -20,7 +20,7 @@ import torch
 
 from hf_kvcache.caches.tiered import TieredQuantLayer
 
-from ..bench import CacheSpec
+from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
 from . import SuiteOptions
 
@@ -88,8 +88,6 @@ def time_cache(spec: CacheSpec, cached: int, steps: int = 64, seed: int = 0) -> 
 
 def run(opts: SuiteOptions) -> list[Row]:
     """One row per cache and length, caches in the order given."""
-    from ..compare import parse_specs
-
     lengths = opts.tokens or [512, 4096]
     if min(lengths) < 1:
         raise ValueError(f"--tokens are cached lengths >= 1, got {lengths}")

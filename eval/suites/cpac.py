@@ -35,6 +35,7 @@ from hf_kvcache.caches.h2o import H2OLayer
 from hf_kvcache.registry import build_cache, cache_names
 
 from ..assets import load_model, load_text, load_tokens
+from ..bench import parse_specs
 from ..perplexity import streaming_perplexity
 from ..rows import Row, make_row
 from . import SuiteOptions, log_row
@@ -179,10 +180,7 @@ def pressure_section(model, ids, chunk: int, run: Run, budgets: tuple[float, ...
 
 def curve_section(run: Run, only: list[str] | None, extra: list[str]) -> list[Row]:
     rows = [run("dynamic", {}, "dynamic (fp32)")]
-    for text in extra:  # other caches, as reference points on the curve
-        from ..bench import CacheSpec
-
-        spec = CacheSpec.parse(text)
+    for spec in parse_specs(extra) if extra else []:  # other caches, as reference points on the curve
         rows.append(run(spec.name, spec.options, spec.label))
     for label, options in CURVE:
         if only and not any(fnmatch.fnmatch(label, pat) for pat in only):

@@ -27,7 +27,7 @@ from hf_kvcache.kernels.blockwise import scratch_bytes
 from hf_kvcache.caches.base import memory_stats
 
 from ..assets import load_model, load_text, load_tokens
-from ..bench import CacheSpec
+from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
 from . import SuiteOptions
 from .kernels import cpu_peak_bytes, gpu_peak_bytes, pick_device
@@ -98,8 +98,6 @@ def measure_interleaved(model, chosen: list[tuple[str, str, CacheSpec]], ids: to
 
 def run(opts: SuiteOptions) -> list[Row]:
     """One row per variant, in the order of --caches."""
-    from ..compare import parse_specs
-
     if opts.decode_steps is not None and opts.decode_steps < 1:
         raise ValueError(f"--suite decode times at least one step; got --decode-steps {opts.decode_steps}")
     context = opts.one_length(4096)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from ..assets import load_model, load_text
-from ..bench import CacheSpec
+from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
 from . import SuiteOptions
 
@@ -192,8 +192,6 @@ def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[Ca
 
 def run(opts: SuiteOptions) -> list[Row]:
     """`--suite passkey`: the rows of `run_passkey`, each budget-taking cache at each of --budgets."""
-    from ..compare import parse_specs
-
     specs = parse_specs(opts.caches or ["dynamic", 'h2o:{"budget":0.2}'])
     context = opts.one_length(1024)
     loaded = load_model(opts.model)

@@ -9,7 +9,7 @@ the cache reports them `proxy`, `tiers` (bytes and tokens per tier) and `archive
 
 from __future__ import annotations
 
-from ..bench import run_benchmark
+from ..bench import parse_specs, run_benchmark
 from ..rows import Row, make_row
 from . import SuiteOptions
 
@@ -59,8 +59,6 @@ def cache_texts(opts: SuiteOptions) -> list[str]:
 
 def run(opts: SuiteOptions) -> list[Row]:
     """One row per cache; the first cache is the baseline of `delta_pct`."""
-    from ..compare import parse_specs
-
     specs = parse_specs(cache_texts(opts))
     tokens = opts.one_length(DEFAULT_TOKENS[opts.suite])
     steps = 16 if opts.decode_steps is None else opts.decode_steps
