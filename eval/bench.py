@@ -1,4 +1,5 @@
-"""Side-by-side cache benchmark: streaming perplexity, bytes held, ratio and speed, in one process."""
+"""Side-by-side cache benchmark: streaming perplexity, bytes held, ratio and speed, in one process; the cache specs
+(`CacheSpec`) every suite of `hf-kvcache compare` parses."""
 
 from __future__ import annotations
 
@@ -86,6 +87,24 @@ def available_caches(with_requirements: bool = False) -> list:
     return [(n, missing_peer_package(n) if n in PEER_CACHES else None) for n in names]
 
 
+def parse_specs(texts: list[str]) -> list[CacheSpec]:
+    """Specs of `--caches`, with distinct labels (the rows, the table and the plot name caches by label)."""
+    if not texts:
+        raise ValueError("give at least one cache: --caches dynamic int4 ...")
+    specs = [CacheSpec.parse(t) for t in texts]
+    names = available_caches()
+    seen: set[str] = set()
+    for spec in specs:
+        if spec.name not in names:
+            raise ValueError(f"unknown cache {spec.name!r} in --caches; pick among: {', '.join(names)} "
+                             "(hf-kvcache caches lists them)")
+        if spec.label in seen:
+            raise ValueError(f"two caches share the label {spec.label!r}; name one: 'other-{spec.name}={spec.name}:"
+                             "{...}'")
+        seen.add(spec.label)
+    return specs
+
+
 @torch.inference_mode()
 def decode_tokens_per_s(model, cache: Cache, next_ids: torch.Tensor) -> float:
     """Tokens/s of single-token decoding steps on a filled cache (adds `next_ids` to it)."""
@@ -121,9 +140,11 @@ def run_benchmark(
             row = {"cache": spec.label, **r.to_dict()}
             if hasattr(cache, "quality_metrics"):  # the online proxy, measured before the decode steps
                 row["proxy"] = cache.quality_metrics()["proxy"]
-            switches = cache.memory_stats().get("archive_switches") if hasattr(cache, "memory_stats") else None
-            if switches:  # an adaptive archive: where each layer changed format
-                row["archive_switches"] = switches
+            stats = cache.memory_stats() if hasattr(cache, "memory_stats") else {}
+            if "tiers" in stats:  # bytes and tokens per tier
+                row["tiers"] = stats["tiers"]
+            if stats.get("archive_switches"):  # an adaptive archive: where each layer changed format
+                row["archive_switches"] = stats["archive_switches"]
             if decode_steps:
                 row["decode_tokens_per_s"] = decode_tokens_per_s(model, cache, extra)
         rows.append(row)
@@ -131,29 +152,3 @@ def run_benchmark(
     for row in rows:
         row["delta_pct"] = 100.0 * (row["perplexity"] / base - 1.0)
     return rows
-
-
-def write_json(path: str | None, data) -> None:
-    """Write `data` (bench rows, a report) as indented JSON to `path`; nothing when `path` is None."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-
-
-def format_table(rows: list[dict]) -> str:
-    cols = [
-        ("cache", "{}", "cache"),
-        ("perplexity", "{:.3f}", "ppl"),
-        ("delta_pct", "{:+.2f}%", "delta"),
-        ("bytes", "{:,}", "bytes held"),
-        ("ratio", "{:.2f}x", "vs fp16"),
-        ("tokens_per_s", "{:.0f}", "stream tok/s"),
-        ("decode_tokens_per_s", "{:.1f}", "decode tok/s"),
-        ("proxy", "{:.4f}", "proxy"),
-    ]
-    cols = [c for c in cols if any(c[0] in r for r in rows)]
-    cells = [[h for _, _, h in cols]] + [[fmt.format(r[k]) if k in r else "-" for k, fmt, _ in cols] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(cols))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)

@@ -15,7 +15,7 @@ import torch
 import hf_kvcache
 
 from .assets import load_model, load_text, load_tokens
-from .bench import write_json
+from .rows import write_json
 from .perplexity import streaming_perplexity
 
 

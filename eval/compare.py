@@ -1,12 +1,19 @@
-"""Several caches side by side in one process: one table, the bench rows as JSON, a ratio / perplexity Pareto PNG.
+"""One benchmark runner: a suite of measurements over caches side by side in one process, one table, one JSON rows
+schema, a ratio / perplexity Pareto PNG.
 
-    hf-kvcache compare --model smollm2-135m --tokens 1024 --caches dynamic int8 int4 tiered \\
-        --json rows.json --png pareto.png
+    hf-kvcache compare --model smollm2-135m --tokens 1024 --caches dynamic int8 int4 tiered --json rows.json --png p.png
+    hf-kvcache compare --suite peers --tokens 2048          # tiered / KIVI beside transformers' QuantizedCache
+    hf-kvcache compare --suite ablations                    # the tiered defaults, one thing changed per row
+    hf-kvcache compare --suite cpac --sections pressure     # CPAC's claims (sections: pressure similarity curve timing)
+    hf-kvcache compare --suite decode --tokens 2048         # decode tok/s: fused attention vs dequantize vs others
+    hf-kvcache compare --suite kernels --tokens 1024 4096   # decode-attention kernels on random tensors
+    hf-kvcache compare --suite append --tokens 512 4096     # per-step append cost at each cache size
+    hf-kvcache compare --suite passkey --caches dynamic h2o --budgets 0.2 0.5
 
-Every cache streams the same window of the same text through the same loaded model (`bench.run_benchmark`); the
-first cache is the baseline of `delta_pct`. The rows are those of `hf-kvcache bench --json` (so `hf-kvcache pareto`
-reads them too); the table adds a Pareto column (`pareto.front`: no other cache is at least as small and at least as
-good, better in one) and the PNG is `pareto.plot` of the rows.
+Every suite (`hf_kvcache.eval.suites`) returns rows of one schema (`hf_kvcache.eval.rows`: `suite`, `cache`,
+`model`, `tokens` and its metric columns), printed by one formatter and written by `--json`; rows that carry a ratio
+and a perplexity delta get a Pareto column (`pareto.front`: no other row is at least as small and at least as good,
+better in one) and `--png` plots them. `--from-json` prints the table of rows written before, running nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +22,14 @@ import argparse
 import importlib.util
 import os
 
-from .bench import CacheSpec, available_caches, format_table, run_benchmark, write_json
-from .pareto import Point, front, plot
+from .bench import CacheSpec, parse_specs, run_benchmark
+from .pareto import Point, plot
+from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
+from .suites import SUITES, SuiteOptions, run_suite
+
+__all__ = ["add_arguments", "check_outputs", "compare_table", "main_args", "parse_specs", "points_of", "run_compare"]
+
+PARETO_SUITES = ("perplexity", "peers", "ablations", "cpac")  # the suites whose rows carry ratio and delta
 
 
 def check_outputs(json_path: str | None, png_path: str | None) -> None:
@@ -32,82 +45,112 @@ def check_outputs(json_path: str | None, png_path: str | None) -> None:
             raise ValueError(f"the folder of {path!r} does not exist; create it first (mkdir -p {folder})")
 
 
-def parse_specs(texts: list[str]) -> list[CacheSpec]:
-    """Specs of `--caches`, with distinct labels (the rows, the table and the plot name caches by label)."""
-    if not texts:
-        raise ValueError("give at least one cache: --caches dynamic int4 ...")
-    specs = [CacheSpec.parse(t) for t in texts]
-    names = available_caches()
-    seen: set[str] = set()
-    for spec in specs:
-        if spec.name not in names:
-            raise ValueError(f"unknown cache {spec.name!r} in --caches; pick among: {', '.join(names)} "
-                             "(hf-kvcache caches lists them)")
-        if spec.label in seen:
-            raise ValueError(f"two caches share the label {spec.label!r}; name one: 'other-{spec.name}={spec.name}:"
-                             "{...}'")
-        seen.add(spec.label)
-    return specs
+def points_of(rows: list[Row], source: str = "compare") -> list[Point]:
+    """The rows that carry a ratio and a perplexity delta, as Pareto points (label, ratio, delta %, perplexity)."""
+    return [Point(r["cache"], r["ratio"], r["delta_pct"], r["perplexity"], source) for r in rows if has_pareto([r])]
 
 
-def points_of(rows: list[dict], source: str = "compare") -> list[Point]:
-    """The rows as Pareto points (label, ratio, delta %, perplexity)."""
-    return [Point(r["cache"], r["ratio"], r["delta_pct"], r["perplexity"], source) for r in rows]
+def compare_table(rows: list[Row]) -> str:
+    """The rows as the runner prints them (`rows.format_rows`, with the Pareto column)."""
+    return format_rows(rows)
 
 
-def pareto_labels(rows: list[dict]) -> set[str]:
-    """Labels of the rows on the ratio / perplexity-delta front."""
-    return {p.label for p in front(points_of(rows))}
-
-
-def compare_table(rows: list[dict]) -> str:
-    """`bench.format_table` of the rows with a Pareto column ("yes" on the front)."""
-    on = pareto_labels(rows)
-    marks = ["Pareto", "------"] + ["yes" if r["cache"] in on else "" for r in rows]
-    return "\n".join(f"{line}  {mark}".rstrip() for line, mark in zip(format_table(rows).splitlines(), marks))
-
-
-def run_compare(
-    specs: list[CacheSpec],
-    model_name: str = "smollm2-135m",
-    text: str = "moby-dick",
-    start: int = 5000,
-    tokens: int = 1024,
-    chunk: int = 32,
-    decode_steps: int = 16,
-    json_path: str | None = None,
-    png_path: str | None = None,
-    title: str = "",
-    progress: bool = True,
-) -> list[dict]:
-    """Bench rows of every spec (the first one the baseline), written to `json_path` and plotted to `png_path`."""
-    if tokens < 2:
-        raise ValueError(f"--tokens must be at least 2 (tokens scored), got {tokens}")
+def run_compare(specs: list[CacheSpec], model_name: str = "smollm2-135m", text: str = "moby-dick", *,
+                json_path: str | None = None, png_path: str | None = None, title: str = "", **bench) -> list[Row]:
+    """Perplexity rows of every spec (the first one the baseline), written to `json_path` and plotted to `png_path`;
+    `bench`: the other arguments of `bench.run_benchmark` (start, tokens, chunk, decode_steps, progress)."""
     check_outputs(json_path, png_path)
-    rows = run_benchmark(specs, model_name, text, start, tokens, chunk, decode_steps, progress=progress)
+    rows = run_benchmark(specs, model_name, text, **bench)
+    rows = [make_row("perplexity", r.pop("cache"), model_name, r.pop("tokens"), **r) for r in rows]
     write_json(json_path, rows)
     if png_path is not None:
         plot(points_of(rows, json_path or "compare"), title, png_path)
     return rows
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--caches", nargs="+", required=True,
-                   help="specs: name, name:{json}, or label=name:{json}; the first one is the baseline")
-    p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed after the stream (0: none)")
-    p.add_argument("--json", default=None, help="write the rows (hf-kvcache bench --json rows) to this file")
+def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a local folder or a hub id") -> None:
+    """Every option of `hf-kvcache compare`: the common ones, then each suite's."""
+    p.add_argument("--suite", default="perplexity", choices=list(SUITES),
+                   help="what to measure (default perplexity); see the groups below for each suite's own options")
+    p.add_argument("--model", default="smollm2-135m", help=model_help)
+    p.add_argument("--text", default="moby-dick", help="moby-dick, pydoc, a file, or path:config:split")
+    p.add_argument("--start", type=int, default=5000, help="first token of the text window")
+    p.add_argument("--tokens", type=int, nargs="+", default=None,
+                   help="tokens scored / cached (perplexity 1024, peers / ablations / cpac 2048, decode 4096, "
+                        "passkey 1024); kernels and append take several lengths")
+    p.add_argument("--chunk", type=int, default=None,
+                   help="tokens per forward (perplexity / cpac 32, decode prefill 512, passkey 0: one forward)")
+    p.add_argument("--caches", nargs="+", default=None,
+                   help="specs: name, name:{json}, or label=name:{json}; the first one is the baseline; added after "
+                        "a preset suite's caches")
+    p.add_argument("--budgets", type=float, nargs="+", default=None,
+                   help="passkey: each cache with a budget option at each budget (int: tokens, float <= 1: ratio); "
+                        "cpac: the memory_budget rows")
+    p.add_argument("--decode-steps", type=int, default=None,
+                   help="single-token steps timed (perplexity 16, 0: none; decode 64; append 64)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--device", default=None, help="decode / kernels: cuda or cpu (default: cuda when visible)")
+    p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--png", default=None, help="write the ratio / perplexity-delta Pareto plot to this .png file")
     p.add_argument("--title", default=None, help="plot title (default: model, text and token window)")
+    p.add_argument("--from-json", default=None, help="print the table of rows an earlier --json wrote; run nothing")
+    g = p.add_argument_group("cpac")
+    g.add_argument("--sections", nargs="+", default=None, help="pressure similarity curve timing (default: all)")
+    g.add_argument("--only", nargs="+", default=None, help="curve labels to run (fnmatch patterns)")
+    g.add_argument("--timing-layer", type=int, default=15, help="layer whose blocks the timing section times")
+    g.add_argument("--attn", default="hf_kvcache", help="attention implementation (hf_kvcache reports the mass)")
+    g = p.add_argument_group("passkey")
+    g.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    g.add_argument("--trials", type=int, default=20, help="trials per depth")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
+    g = p.add_argument_group("kernels")
+    g.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (CUDA 1 4 16, CPU 1 4)")
+    g.add_argument("--kv-heads", type=int, default=8)
+    g.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    g.add_argument("--head-dim", type=int, default=128)
+    g.add_argument("--bits", type=int, default=2)
+    g.add_argument("--iters", type=int, default=10, help="timed runs per variant (median)")
+
+
+def options_of(args: argparse.Namespace) -> SuiteOptions:
+    """The SuiteOptions of parsed `compare` arguments."""
+    names = SuiteOptions.__dataclass_fields__
+    return SuiteOptions(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def headline(opts: SuiteOptions, rows: list[Row]) -> str:
+    """What the table above it measured: suite, model, text window; the baseline where rows have a delta."""
+    line = f"suite={opts.suite} model={rows[0]['model'] if rows else opts.model}"
+    if opts.suite not in ("kernels", "append"):
+        line += f" text={opts.text}" + (f" start={opts.start}" if opts.suite != "passkey" else "")
+    tokens = {r["tokens"] for r in rows}
+    if len(tokens) == 1:
+        line += f" tokens={tokens.pop()}"
+    if opts.chunk:
+        line += f" chunk={opts.chunk}"
+    if any("delta_pct" in r for r in rows):
+        line += f" (delta vs {rows[0]['cache']})"
+    return line
 
 
 def main_args(args: argparse.Namespace) -> int:
-    specs = parse_specs(args.caches)
-    window = f"{args.text} tokens {args.start}:{args.start + args.tokens}, chunk {args.chunk}"
-    title = args.title if args.title is not None else f"{args.model}, {window}"
-    rows = run_compare(specs, args.model, args.text, args.start, args.tokens, args.chunk, args.decode_steps,
-                       args.json, args.png, title)
-    print(f"model={args.model} {window} (delta vs {specs[0].label})")
-    print(compare_table(rows))
+    if args.from_json:
+        rows = read_rows(args.from_json)
+        print(format_rows(rows))
+        return 0
+    opts = options_of(args)
+    check_outputs(args.json, args.png)
+    if args.png and opts.suite not in PARETO_SUITES:
+        raise ValueError(f"--png plots ratio against perplexity delta; --suite {opts.suite} has neither (the suites "
+                         f"that do: {', '.join(PARETO_SUITES)}); leave --png out")
+    rows = run_suite(opts)
+    print(headline(opts, rows))
+    print(format_rows(rows))
+    write_json(args.json, rows)
+    if args.png:
+        window = f"{opts.text} tokens {opts.start}:{opts.start + rows[0]['tokens']}" if rows else opts.text
+        plot(points_of(rows, args.json or "compare"), args.title or f"{opts.model}, {window}", args.png)
     for path in (args.json, args.png):
         if path:
             print(f"wrote {path}")

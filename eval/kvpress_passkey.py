@@ -9,7 +9,7 @@ hf_kvcache (the trials come as token ids in a JSON file):
     /tmp/kvpress-venv/bin/python eval/kvpress_passkey.py /tmp/passkey_trials.json --model $MODEL \\
         --presses none streaming_llm observed_attention snapkv --compression-ratio 0.8
 
-Same protocol as `hf_kvcache.eval.passkey`: the context is prefilled in one forward inside the press (kvpress
+Same protocol as `hf_kvcache.eval.suites.passkey`: the context is prefilled in one forward inside the press (kvpress
 compresses during prefill only), then the question is fed and the answer decoded greedily. The question and answer
 tokens get their true positions (kvpress's cache length no longer counts the evicted tokens).
 """

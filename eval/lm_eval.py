@@ -5,9 +5,11 @@ KV cache the model is given changes nothing there (lm-eval issue 3298). This mod
 through a fresh cache `chunk` tokens at a time, exactly like `hf_kvcache.eval.streaming_perplexity`: each scored token
 is predicted while attending to the compressed past. `generate_until` passes a fresh cache to `generate`.
 
-Importing this module registers the model with lm-eval. lm-eval's `lm_eval` script has no plugin hook for models, so
-the command line is this module, which registers the model, adds this package's offline tasks (`eval/tasks`) as
-`--include_path` unless one is given, and then runs lm-eval's own command line with the same arguments:
+Importing this module registers the model with lm-eval. lm-eval's own `lm_eval` command finds it too once the package
+is installed (regular or editable): `hf_kvcache_lm_eval.pth` registers the lazy placeholder
+"hf_kvcache.eval.lm_eval:HFKVCacheLM" when lm-eval imports its registry (`hf_kvcache_lm_eval_hook`). This module is
+also a command line: it adds this package's offline tasks (`eval/tasks`) as `--include_path` unless one is given, and
+then runs lm-eval's own command line with the same arguments:
 
     python -m hf_kvcache.eval.lm_eval --model hf-kvcache --model_args pretrained=smollm2-135m,cache=tiered \\
         --tasks kvcache_pydoc_ppl,kvcache_moby_cloze --device cpu --batch_size 1

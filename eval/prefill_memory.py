@@ -20,7 +20,7 @@ import os
 import subprocess
 import sys
 
-from .bench import write_json
+from .rows import write_json
 
 
 def _status_kib(field: str) -> int:

@@ -1,4 +1,7 @@
-"""`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto."""
+"""`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto.
+
+`compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey`);
+`bench` and `passkey` are two of its suites under their older names and options."""
 
 from __future__ import annotations
 
@@ -20,53 +23,42 @@ def _cmd_caches(args: argparse.Namespace) -> int:
 
 
 def _cmd_ppl(args: argparse.Namespace) -> int:
-    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+    from hf_kvcache.eval.bench import CacheSpec, run_benchmark
+    from hf_kvcache.eval.rows import format_rows
 
     spec = CacheSpec.parse(args.cache if not args.cache_config else f"{args.cache}={args.cache}:{args.cache_config}")
     rows = run_benchmark([spec], args.model, args.text, args.start, args.tokens, args.chunk, decode_steps=0)
-    print(json.dumps(rows[0], indent=2) if args.json else format_table(rows))
+    print(json.dumps(rows[0], indent=2) if args.json else format_rows(rows, pareto=False))
     return 0
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark, write_json
+    """`compare --suite perplexity` under its older name and defaults."""
+    from hf_kvcache.eval.compare import main_args
 
-    specs = [CacheSpec.parse(s) for s in args.caches]
-    rows = run_benchmark(specs, args.model, args.text, args.start, args.tokens, args.chunk, args.decode_steps)
-    print(
-        f"model={args.model} text={args.text} tokens={args.start}:{args.start + args.tokens} chunk={args.chunk} "
-        f"(delta vs {specs[0].label})"
-    )
-    print(format_table(rows))
-    write_json(args.json, rows)
-    return 0
+    args.suite, args.tokens = "perplexity", [args.tokens]
+    args.budgets = args.threads = args.from_json = args.png = args.title = None
+    return main_args(args)
 
 
 def _cmd_passkey(args: argparse.Namespace) -> int:
-    from hf_kvcache.eval.bench import CacheSpec, write_json
-    from hf_kvcache.eval.passkey import dump_trials, format_passkey_table, make_trials, run_passkey
+    """`compare --suite passkey` under its older name and options (`--context`), plus `--dump-trials`."""
+    from hf_kvcache.eval.suites.passkey import dump_trials, make_trials
 
-    depths = tuple(args.depths)
     if args.dump_trials:
         from hf_kvcache.eval import load_model, load_text
 
         _, tokenizer = load_model(args.model)
-        trials = make_trials(tokenizer, load_text(args.text), args.context, depths, args.trials, args.seed)
+        trials = make_trials(tokenizer, load_text(args.text), args.context, tuple(args.depths),
+                             args.trials, args.seed)
         dump_trials(args.dump_trials, trials)
         print(f"wrote {len(trials)} trials to {args.dump_trials}")
         return 0
-    specs = [CacheSpec.parse(s) for s in args.caches]
-    rows = run_passkey(
-        specs, args.model, args.text, args.context, depths, args.trials, args.seed, args.new_tokens, args.chunk
-    )
-    print(
-        f"passkey: model={args.model} text={args.text} context={args.context} tokens, {args.trials} trials per depth, "
-        f"seed={args.seed}, context prefilled {'in one forward' if args.chunk <= 0 else f'in chunks of {args.chunk}'} "
-        "before the question"
-    )
-    print(format_passkey_table(rows))
-    write_json(args.json, rows)
-    return 0
+    from hf_kvcache.eval.compare import main_args
+
+    args.suite, args.tokens, args.decode_steps = "passkey", [args.context], None
+    args.threads = args.png = args.from_json = args.title = None
+    return main_args(args)
 
 
 def _cmd_codec_bench(args: argparse.Namespace) -> int:
@@ -99,7 +91,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     from pydoc_data.topics import topics
 
     from hf_kvcache.eval import load_model
-    from hf_kvcache.eval.bench import CacheSpec, format_table, run_benchmark
+    from hf_kvcache.eval.bench import CacheSpec, run_benchmark
+    from hf_kvcache.eval.rows import format_rows
     from hf_kvcache.registry import cache_names
 
     valid = ["dynamic"] + cache_names()  # names generate takes as cache_implementation
@@ -137,7 +130,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                          args.chunk, args.decode_steps)
     t_bench = time.perf_counter() - t_bench
     print(f"streaming perplexity: {window}; decode tok/s over {args.decode_steps} single-token steps after it")
-    print(format_table(rows))
+    print(format_rows(rows, pareto=False))
     print(f"\ntook {time.perf_counter() - t_start:.0f} s: generation {t_gen:.0f} s, streaming table {t_bench:.0f} s")
     return 0
 
@@ -187,9 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     from hf_kvcache.eval.compare import add_arguments as _compare_arguments
 
-    p = sub.add_parser("compare", help="caches side by side in one process: table, --json rows, --png Pareto plot")
-    _add_text_args(p, tokens=1024)
-    _compare_arguments(p)
+    p = sub.add_parser("compare", help="one benchmark runner: a suite (perplexity, peers, ablations, cpac, decode, "
+                       "kernels, append, passkey) over caches side by side; table, --json rows, --png Pareto plot")
+    _compare_arguments(p, _model_help())
     p.set_defaults(func=_cmd_compare)
 
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per depth (real filler text), per cache")

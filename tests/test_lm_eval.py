@@ -203,3 +203,51 @@ def test_zoo_name_and_attention_mass_cache():
     ((logprob, _),) = lm._loglikelihood_tokens([(None, ids[:12], ids[12:])], disable_tqdm=True)
     assert lm.model.config._attn_implementation == "sdpa"
     assert math.isfinite(logprob) and logprob < 0
+
+
+# ---- the `lm_eval` command line itself (hf_kvcache_lm_eval.pth + hf_kvcache_lm_eval_hook) ---------------------------
+def _fresh_python(code: str) -> str:
+    """stdout of `code` in a new interpreter of this environment (so that site-packages' .pth files run)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_lm_eval_registry_gets_a_lazy_placeholder_at_no_start_up_cost():
+    """After `pip install` (regular or -e), the .pth installs the hook; importing lm-eval's registry registers
+    `hf-kvcache` as a `module:class` string, importing neither torch nor this package until the model is asked for."""
+    out = _fresh_python(
+        "import sys\n"
+        "assert 'hf_kvcache_lm_eval_hook' in sys.modules, 'no hook: reinstall with pip install -e .'\n"
+        "from lm_eval.api.registry import model_registry\n"
+        "print(model_registry._objs['hf-kvcache'], 'torch' in sys.modules, 'hf_kvcache' in sys.modules)\n"
+        "print(model_registry.get('hf-kvcache').__module__)\n"
+    )
+    assert out.split() == ["hf_kvcache.eval.lm_eval:HFKVCacheLM", "False", "False", "hf_kvcache.eval.lm_eval"]
+
+
+@pytest.mark.slow
+def test_lm_eval_command_line_runs_the_model(tmp_path):
+    """The `lm_eval` console script (or `python -m lm_eval`, the same entry point, where lm-eval's script is not in
+    this environment's bin folder) on the offline task, 2 documents, with no import of this package in the command."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(sys.executable).parent / "lm_eval"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "lm_eval"]
+    out = subprocess.run(
+        [*command, "--model", "hf-kvcache", "--model_args",
+         f"pretrained=smollm2-135m,cache=dynamic,max_length={MAX_LENGTH}", "--tasks", PPL, "--include_path", str(TASKS_DIR), "--limit", "2", "--device", "cpu", "--batch_size", "1",
+         "--output_path", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "hf-kvcache (" in out.stdout and PPL in out.stdout
+    results = json.loads(next(tmp_path.rglob("results_*.json")).read_text())
+    metrics = results["results"][PPL]
+    assert results["config"]["model"] == "hf-kvcache" and results["n-samples"][PPL]["effective"] == 2
+    assert 1 < metrics["byte_perplexity,none"] < metrics["word_perplexity,none"] < math.inf

@@ -18,7 +18,7 @@ by a neighbour's values so that they do not stretch the group's range.
 Quantization is KIVI's (`hf_kvcache.quant.kivi`): keys per channel over groups of tokens, values per token over groups
 of channels, asymmetric min/max with fp16 scale and zero, codes bit-packed. Options add a randomized Hadamard rotation
 of the head dimension before quantizing (undone when dequantizing), clipping, and per-token keys (the ablation of
-KIVI's per-channel keys). The defaults are the measured best recipe (`python -m hf_kvcache.eval.tiered_bench`).
+KIVI's per-channel keys). The defaults are the measured best recipe (`hf-kvcache compare --suite ablations`).
 
 The archive may use another format (`archive_quantizer`): each is one class of `caches.archive` (KIVI, KVQuant's
 nuq codes, codes in a fitted subspace basis), and "adaptive" picks one per archive group by position, the archive

@@ -1,37 +1,31 @@
-"""CPAC benchmark: the paper's claims ("3.2x compression at +1.8 % perplexity, 0.45 ms compression and 0.12 ms
-decompression per block") measured on a real model, and the ratio / perplexity curve of its variants.
+"""CPAC: the paper's claims ("3.2x compression at +1.8 % perplexity, 0.45 ms compression and 0.12 ms decompression
+per block") measured on a real model, and the ratio / perplexity curve of its variants (`--suite cpac`).
 
-    python -m hf_kvcache.eval.cpac_bench                                  # every section
-    python -m hf_kvcache.eval.cpac_bench --sections pressure              # paper defaults at pressure 0.3 / 0.6 / 0.9
-    python -m hf_kvcache.eval.cpac_bench --sections curve --only 'derot*' # a subset of the curve (fnmatch on labels)
-    python -m hf_kvcache.eval.cpac_bench --sections timing
-
-Sections (SmolLM2-135M, Moby Dick tokens 5000:7048, streamed 32 tokens at a time, unless told otherwise):
+Sections (`--sections`, all by default; SmolLM2-135M, Moby Dick tokens 5000:7048 streamed 32 at a time unless told):
 - `pressure`: DynamicCache, int8, fp8, int4, then CPAC with the paper's defaults under a fixed pressure of 0.3, 0.6
   and 0.9 (thresholds 0.95 / 0.85 / 0.70), each beside H2O holding the same bytes; then CPAC with a memory budget
-  (fraction of the fp16 size of the tokens seen), whose pressure is measured.
+  (fraction of the fp16 size of the tokens seen; `--budgets` replaces `BUDGETS`), whose pressure is measured.
 - `similarity`: how alike the pages of a head are under each feature kind, and how large a token-wise delta against
   the most similar earlier page is compared with the page itself (keys post-RoPE, keys de-rotated, values).
-- `curve`: one streaming run per variant in `CURVE` (thresholds, delta bits, similarity variants, scales,
-  references, protection); perplexity, measured ratio and page counts for each.
+- `curve`: one streaming run per variant in `CURVE` (`--only` fnmatch patterns pick labels; `--caches` adds other
+  caches as reference points).
 - `timing`: per-block compress / decompress time, one block (16 tokens of one KV head, keys and values) at a time,
-  median over every block of a real layer (`time.perf_counter`), and the batched decompression the cache does.
-  The streaming runs also report the time the cache spent compressing / decompressing per block.
+  median over every block of layer `--timing-layer` (`time.perf_counter`), and the batched decompression.
 
-Every ratio is fp16 bytes of the tokens seen / bytes held by the cache's tensors (sum of `nbytes`). The attention is
-`hf_kvcache` (it reports the attention mass CPAC ranks pages by, and computes what sdpa computes for other caches).
+Rows (`section` names the table): pressure / curve rows carry `perplexity`, `delta_pct` (vs DynamicCache),
+`bytes`, `ratio`, `seconds` and, for CPAC, `base_pages` / `delta_pages` / `raw_pages`, `pressure`,
+`measured_pressure`, `threshold`, `compress_ms_per_block`, `decompress_ms_per_block`; similarity rows `features`,
+`cos_mean`, the share of pages at `>=0.95` / `>=0.85` / `>=0.7` and `delta_rel_norm` (`cache` names the tensor);
+timing rows `blocks`, `compress_ms`, `decompress_ms`, `decompress_batched_ms`. Every ratio is fp16 bytes of the tokens
+seen / bytes held. The attention is `hf_kvcache` (`--attn`; it reports the attention mass CPAC ranks pages by).
 """
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
-import json
-import os
-import shlex
 import statistics
-import sys
 import time
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -40,8 +34,13 @@ from hf_kvcache.caches.cpac import CPACCache, CPACLayer, CPACOptions
 from hf_kvcache.caches.h2o import H2OLayer
 from hf_kvcache.registry import build_cache, cache_names
 
-from .assets import load_model, load_text, load_tokens
-from .perplexity import streaming_perplexity
+from ..assets import load_model, load_text, load_tokens
+from ..bench import parse_specs
+from ..perplexity import streaming_perplexity
+from ..rows import Row, make_row
+from . import SuiteOptions, log_row
+
+SECTIONS = ("pressure", "similarity", "curve", "timing")
 
 PRESSURES = (0.3, 0.6, 0.9)
 BUDGETS = (3.0, 0.9, 0.6)  # memory_budget fractions whose measured pressure lands near 0.3 / 0.6-0.8 / 0.9
@@ -129,19 +128,23 @@ BEST = "derot p0.9 b3 scale=channel ref=keys protect0.8"
 
 
 # ---- runs ------------------------------------------------------------------------------------------------------------
-def stream_row(model, ids, name: str, options: dict, label: str, chunk: int) -> dict:
+Run = Callable[[str, dict, str], Row]
+
+
+def stream_metrics(model, ids, name: str, options: dict, chunk: int) -> dict:
     """Streaming perplexity of one cache, with CPAC's page counts, pressure and timing when it is a CPAC cache."""
     cache = DynamicCache(config=model.config) if name == "dynamic" else build_cache(name, model.config, **options)
     r = streaming_perplexity(model, ids, cache, chunk)
-    row = {"label": label, "cache": name, "options": options, **r.to_dict()}
+    out = {"options": options, **r.to_dict()}
+    out.pop("tokens")
     if isinstance(cache, CPACCache):
         stats = cache.memory_stats()
         for k in ("base_pages", "delta_pages", "raw_pages", "pressure", "measured_pressure", "threshold"):
-            row[k] = stats[k]
+            out[k] = stats[k]
         timing = cache.timing_stats()
-        row["compress_ms_per_block"] = timing["compress_ms_per_block"]
-        row["decompress_ms_per_block"] = timing["decompress_ms_per_block"]
-    return row
+        out["compress_ms_per_block"] = timing["compress_ms_per_block"]
+        out["decompress_ms_per_block"] = timing["decompress_ms_per_block"]
+    return out
 
 
 def h2o_bytes_per_token(model, ids, chunk: int) -> float:
@@ -154,50 +157,36 @@ def h2o_bytes_per_token(model, ids, chunk: int) -> float:
     return cache.memory_stats()["bytes"] / (budget * len(layers) * heads)
 
 
-def with_delta(rows: list[dict], base_ppl: float) -> list[dict]:
-    for row in rows:
-        row["delta_pct"] = 100.0 * (row["perplexity"] / base_ppl - 1.0)
-    return rows
-
-
-def pressure_section(model, ids, chunk: int, run, log) -> list[dict]:
+def pressure_section(model, ids, chunk: int, run: Run, budgets: tuple[float, ...]) -> list[Row]:
     rows = [run("dynamic", {}, "dynamic (fp32)")]
-    base = rows[0]["perplexity"]
     for name in ("int8", "fp8", "int4"):
         rows.append(run(name, {}, name))
-        log(with_delta(rows[-1:], base))
     have_h2o = "h2o" in cache_names() and getattr(model.config, "_attn_implementation", None) == "hf_kvcache"
     per_token = h2o_bytes_per_token(model, ids, chunk) if have_h2o else None
     if not have_h2o:
-        print("note: no H2O comparison (needs the 'h2o' cache and attn_implementation='hf_kvcache')", flush=True)
+        print("note: no H2O comparison (needs the 'h2o' cache and --attn hf_kvcache)", flush=True)
     heads = model.config.num_key_value_heads
     layers = model.config.num_hidden_layers
     for p in PRESSURES:
         row = run("cpac", {"pressure": p}, f"cpac pressure={p}")
         rows.append(row)
-        log(with_delta(rows[-1:], base))
         if per_token:
-            budget = max(1, round(row["bytes"] / (per_token * layers * heads)))
+            budget = max(2, round(row["bytes"] / (per_token * layers * heads)))
             rows.append(run("h2o", {"budget": budget}, f"h2o same bytes (budget={budget})"))
-            log(with_delta(rows[-1:], base))
-    for b in BUDGETS:
+    for b in budgets:
         rows.append(run("cpac", {"memory_budget": b}, f"cpac memory_budget={b}"))
-        log(with_delta(rows[-1:], base))
-    return with_delta(rows, base)
+    return rows
 
 
-def curve_section(run, only: list[str] | None, log, extra: tuple[str, ...] = ()) -> list[dict]:
+def curve_section(run: Run, only: list[str] | None, extra: list[str]) -> list[Row]:
     rows = [run("dynamic", {}, "dynamic (fp32)")]
-    base = rows[0]["perplexity"]
-    for name in extra:  # other registered caches, as reference points on the curve
-        rows.append(run(name, {}, name))
-        log(with_delta(rows[-1:], base))
+    for spec in parse_specs(extra) if extra else []:  # other caches, as reference points on the curve
+        rows.append(run(spec.name, spec.options, spec.label))
     for label, options in CURVE:
         if only and not any(fnmatch.fnmatch(label, pat) for pat in only):
             continue
         rows.append(run("cpac", options, label))
-        log(with_delta(rows[-1:], base))
-    return with_delta(rows, base)
+    return rows
 
 
 # ---- page similarity on real keys / values ---------------------------------------------------------------------------
@@ -235,17 +224,6 @@ def similarity_section(model, ids, chunk: int, page_size: int = 16) -> list[dict
                 "delta_rel_norm": rel,
             })
     return rows
-
-
-SIM_COLS = [
-    ("tensor", "{}", "tensor"),
-    ("features", "{}", "features"),
-    ("cos_mean", "{:.3f}", "best cos (mean)"),
-    (">=0.95", "{:.1%}", ">=0.95"),
-    (">=0.85", "{:.1%}", ">=0.85"),
-    (">=0.7", "{:.1%}", ">=0.70"),
-    ("delta_rel_norm", "{:.3f}", "median |page-base|/|page|"),
-]
 
 
 # ---- per-block timing ------------------------------------------------------------------------------------------------
@@ -309,149 +287,52 @@ def timing_section(model, ids, chunk: int, layer_idx: int, variants: list[tuple[
     return rows
 
 
-# ---- tables ----------------------------------------------------------------------------------------------------------
-RUN_COLS = [
-    ("label", "{}", "cache"),
-    ("perplexity", "{:.3f}", "ppl"),
-    ("delta_pct", "{:+.2f}%", "delta"),
-    ("ratio", "{:.2f}x", "ratio"),
-    ("bytes", "{:,}", "bytes held"),
-    ("base_pages", "{}", "base"),
-    ("delta_pages", "{}", "delta"),
-    ("raw_pages", "{}", "raw"),
-    ("pressure", "{:.2f}", "pressure"),
-    ("measured_pressure", "{:.2f}", "measured"),
-    ("threshold", "{:.2f}", "thr"),
-    ("compress_ms_per_block", "{:.3f}", "comp ms/blk"),
-    ("decompress_ms_per_block", "{:.4f}", "decomp ms/blk"),
-    ("seconds", "{:.0f}", "s"),
-]
-TIMING_COLS = [
-    ("label", "{}", "variant"),
-    ("blocks", "{}", "blocks"),
-    ("compress_ms", "{:.3f}", "compress ms/block"),
-    ("decompress_ms", "{:.3f}", "decompress ms/block (one at a time)"),
-    ("decompress_batched_ms", "{:.4f}", "decompress ms/block (whole layer)"),
-]
-
-
-def pareto(rows: list[dict]) -> list[dict]:
-    """Rows no other row beats on both ratio (higher) and perplexity (lower), by ratio."""
-    front = [
-        r for r in rows
-        if not any(o["ratio"] >= r["ratio"] and o["perplexity"] < r["perplexity"] and o is not r for o in rows)
-    ]
-    return sorted(front, key=lambda r: r["ratio"])
-
-
-def print_tables(out: dict, args) -> None:
-    if "pressure" in out:
-        print("\n[pressure] CPAC paper defaults (summary features, 8-bit deltas, page scale) at fixed pressures, "
-              "H2O at the same bytes, memory budgets")
-        print(table(out["pressure"], RUN_COLS), flush=True)
-    if "similarity" in out:
-        print(f"\n[similarity] {args.tokens // 16} pages of 16 tokens per layer and KV head; best earlier page by "
-              "feature cosine (as if every earlier page were a base); share of pages over each threshold")
-        print(table(out["similarity"], SIM_COLS), flush=True)
-    if "curve" in out:
-        print("\n[curve] variants (p0.9 = fixed pressure 0.9, thrX = threshold X at every pressure)")
-        print(table(out["curve"], RUN_COLS), flush=True)
-        runs = [r for r in out.get("pressure", []) + out["curve"] if not r["label"].startswith("dynamic")]
-        print("\n[curve] Pareto front of every run above (no other run has a higher ratio and a lower perplexity)")
-        print(table(pareto(runs), RUN_COLS[:8]), flush=True)
-    if "timing" in out:
-        print(f"\n[timing] per block = {CPACOptions().page_size} tokens x 1 KV head, keys and values; layer "
-              f"{args.timing_layer}, median over its blocks and heads, perf_counter")
-        print(table(out["timing"], TIMING_COLS), flush=True)
-
-
-def table(rows: list[dict], cols) -> str:
-    cells = [[h for _, _, h in cols]]
-    for r in rows:
-        cells.append(["-" if r.get(k) is None else fmt.format(r[k]) for k, fmt, _ in cols])
-    widths = [max(len(c[i]) for c in cells) for i in range(len(cols))]
-    lines = [
-        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells
-    ]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_kvcache.eval.cpac_bench", description=__doc__.split("\n")[0])
-    parser.add_argument("--sections", nargs="+", default=["pressure", "similarity", "curve", "timing"],
-                        choices=["pressure", "similarity", "curve", "timing"])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--text", default="moby-dick")
-    parser.add_argument("--start", type=int, default=5000)
-    parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--chunk", type=int, default=32)
-    parser.add_argument("--attn", default="hf_kvcache", help="attention implementation (hf_kvcache reports the mass)")
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (1: on a shared 2-core machine, small ops are much faster unthreaded)")
-    parser.add_argument("--only", nargs="*", default=None, help="curve labels to run (fnmatch patterns)")
-    parser.add_argument("--timing-layer", type=int, default=15)
-    parser.add_argument("--extra-caches", nargs="*", default=[], help="other caches to put on the curve (e.g. int4)")
-    parser.add_argument("--json", default=None, help="write every row to this file")
-    parser.add_argument("--from-json", default=None, help="print the tables of an earlier --json run, run nothing")
-    parser.add_argument("--resume", action="store_true",
-                        help="keep the streaming runs already saved in --json (it is rewritten after every run)")
-    args = parser.parse_args(argv)
-    if args.from_json:
-        with open(args.from_json) as f:
-            print_tables(json.load(f), args)
-        return 0
-
-    import hf_kvcache  # noqa: F401  (registers the caches and the attention)
-
-    torch.set_num_threads(args.threads)
+def run(opts: SuiteOptions) -> list[Row]:
+    """Rows of every section asked for, in `SECTIONS` order."""
+    sections = opts.sections or list(SECTIONS)
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown:
+        raise ValueError(f"unknown cpac section(s) {unknown}; pick among: {', '.join(SECTIONS)}")
+    tokens = opts.one_length(2048)
+    chunk = opts.chunk or 32
+    budgets = tuple(opts.budgets) if opts.budgets else BUDGETS
     torch.manual_seed(0)
-    model, tokenizer = load_model(args.model, attn_implementation=args.attn)
-    ids = load_tokens(tokenizer, load_text(args.text), args.start, args.tokens)
-    print(f"$ python -m hf_kvcache.eval.cpac_bench {shlex.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"model={args.model} attn={args.attn} text={args.text} tokens={args.start}:{args.start + args.tokens} "
-          f"chunk={args.chunk} torch_threads={torch.get_num_threads()} cpus={os.cpu_count()}", flush=True)
+    model, tokenizer = load_model(opts.model, attn_implementation=opts.attn)
+    if "timing" in sections and not 0 <= opts.timing_layer < model.config.num_hidden_layers:
+        raise ValueError(f"--timing-layer {opts.timing_layer} is not a layer of {opts.model} "
+                         f"(0..{model.config.num_hidden_layers - 1})")
+    ids = load_tokens(tokenizer, load_text(opts.text), opts.start, tokens)
 
-    def log(rows):
-        for r in rows:
-            print(f"  .. {r['label']}: ppl {r['perplexity']:.3f} ({r.get('delta_pct', 0):+.2f}%) "
-                  f"ratio {r['ratio']:.2f}x  {r['seconds']:.0f}s", flush=True)
+    def stamp(section: str, label: str, **metrics) -> Row:
+        return make_row("cpac", label, opts.model, tokens, section=section, **metrics)
 
-    saved = {}
-    if args.resume and args.json and os.path.exists(args.json):
-        with open(args.json) as f:
-            saved = {(sec, r["label"]): r for sec, rows in json.load(f).items() for r in rows}
-    progress: dict[str, list] = {}
-
-    def runner(section: str):
-        def run(name: str, options: dict, label: str) -> dict:
-            row = saved.get((section, label)) or stream_row(model, ids, name, options, label, args.chunk)
-            progress.setdefault(section, []).append(row)
-            if args.json:  # a killed run loses at most the run in flight
-                with open(args.json, "w") as f:
-                    json.dump(progress, f, indent=2, default=str)
+    def runner(section: str) -> Run:
+        def run_one(name: str, options: dict, label: str) -> Row:
+            row = stamp(section, label, **stream_metrics(model, ids, name, options, chunk))
+            if opts.progress:
+                log_row(row)
             return row
 
-        return run
+        return run_one
 
-    out = {}
-    if "pressure" in args.sections:
-        out["pressure"] = pressure_section(model, ids, args.chunk, runner("pressure"), log)
-    if "similarity" in args.sections:
-        out["similarity"] = similarity_section(model, ids, args.chunk)
-    if "curve" in args.sections:
-        out["curve"] = curve_section(runner("curve"), args.only, log, tuple(args.extra_caches))
-    if "timing" in args.sections:
+    rows: list[Row] = []
+    if "pressure" in sections:
+        rows += with_delta(pressure_section(model, ids, chunk, runner("pressure"), budgets))
+    if "similarity" in sections:
+        rows += [stamp("similarity", r.pop("tensor"), **r) for r in similarity_section(model, ids, chunk)]
+    if "curve" in sections:
+        rows += with_delta(curve_section(runner("curve"), opts.only, opts.caches or []))
+    if "timing" in sections:
         variants = [("paper defaults (8-bit, p0.9)", {"pressure": 0.9}),
                     ("p0.9 b4", {"pressure": 0.9, "delta_bits": 4}),
                     (BEST, dict(CURVE)[BEST])]
-        out["timing"] = timing_section(model, ids, args.chunk, args.timing_layer, variants)
-    print_tables(out, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2, default=str)
-    return 0
+        rows += [stamp("timing", r.pop("label"), **r)
+                 for r in timing_section(model, ids, chunk, opts.timing_layer, variants)]
+    return rows
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def with_delta(rows: list[Row]) -> list[Row]:
+    """`delta_pct` of each row against the first (DynamicCache) of its section."""
+    for row in rows:
+        row["delta_pct"] = 100.0 * (row["perplexity"] / rows[0]["perplexity"] - 1.0)
+    return rows

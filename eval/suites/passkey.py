@@ -9,11 +9,16 @@ cache first -- one forward, or `chunk`-token forwards -- so the cache compresses
 the question is fed and `new_tokens` tokens are decoded greedily. A trial is correct when the first number in the
 answer is the key. Every cache runs on the same trials (same seed), with the same model.
 
-    hf-kvcache passkey --caches dynamic 'h2o:{"budget":0.2}' --context 1024 --trials 20
+    hf-kvcache compare --suite passkey --caches dynamic h2o --budgets 0.2 0.5 --tokens 1024 --trials 20
+    hf-kvcache passkey --caches dynamic 'h2o:{"budget":0.2}' --context 1024 --trials 20   (the same, older options)
+
+Rows, one per cache (and budget): `tokens` (the context), `depth D` (accuracy at each depth), `accuracy` (mean over
+every trial), `trials`, `seconds`, and `results` (every trial: depth, key, answer, correct).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 import re
@@ -22,8 +27,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .assets import load_model, load_text
-from .bench import CacheSpec
+from ..assets import load_model, load_text
+from ..bench import CacheSpec, parse_specs
+from ..rows import Row, make_row
+from . import SuiteOptions
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -127,10 +134,12 @@ def run_passkey(
     new_tokens: int = 8,
     chunk: int = 0,
     progress: bool = True,
-) -> list[dict]:
-    """One row per spec: accuracy per depth, mean accuracy, seconds, and the per-trial answers."""
+    loaded: tuple | None = None,
+) -> list[Row]:
+    """One row per spec: accuracy per depth, mean accuracy, seconds, and the per-trial answers (`loaded`: the
+    (model, tokenizer) of `model_name` when the caller has loaded them already)."""
     torch.manual_seed(0)
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = loaded or load_model(model_name)
     all_trials = make_trials(tokenizer, load_text(text), context_tokens, depths, trials, seed)
     rows = []
     for spec in specs:
@@ -141,36 +150,55 @@ def run_passkey(
             items = tqdm(all_trials, desc=f"passkey {spec.label}", unit="trial", leave=False)
         t0 = time.perf_counter()
         results = [run_trial(model, tokenizer, spec, t, new_tokens, chunk) for t in items]
-        rows.append(summarize(spec.label, results, depths, time.perf_counter() - t0))
+        rows.append(summarize(spec.label, model_name, context_tokens, results, depths, time.perf_counter() - t0))
     return rows
 
 
-def summarize(label: str, results: list[dict], depths: tuple[float, ...], seconds: float) -> dict:
+def summarize(label: str, model_name: str, context_tokens: int, results: list[dict], depths: tuple[float, ...],
+              seconds: float) -> Row:
+    """The row of one cache: accuracy per depth and overall, with every trial's answer."""
     acc = {}
     for d in depths:
         hits = [r["correct"] for r in results if r["depth"] == d]
-        acc[f"{d:g}"] = sum(hits) / len(hits) if hits else float("nan")
-    return {
-        "cache": label,
-        "accuracy": acc,
-        "mean": sum(r["correct"] for r in results) / len(results),
-        "trials": len(results),
-        "seconds": seconds,
-        "results": results,
-    }
+        acc[f"depth {d:g}"] = sum(hits) / len(hits) if hits else float("nan")
+    return make_row("passkey", label, model_name, context_tokens, **acc,
+                    accuracy=sum(r["correct"] for r in results) / len(results), trials=len(results), seconds=seconds,
+                    results=results)
 
 
-def format_passkey_table(rows: list[dict]) -> str:
-    depths = list(rows[0]["accuracy"])
-    header = ["cache"] + [f"depth {d}" for d in depths] + ["mean", "trials"]
-    cells = [header] + [
-        [r["cache"]] + [f"{100 * r['accuracy'][d]:.0f}%" for d in depths] + [f"{100 * r['mean']:.1f}%", str(r["trials"])]
-        for r in rows
-    ]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells]
-    lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+def takes_budget(spec: CacheSpec, model) -> bool:
+    """Whether the cache of `spec` has a `budget` option (the evicting caches)."""
+    options = getattr(spec.build(model), "options", None)
+    return dataclasses.is_dataclass(options) and any(f.name == "budget" for f in dataclasses.fields(options))
+
+
+def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[CacheSpec]:
+    """Each spec that takes a budget once per budget (labelled `label budget=B`), the others once."""
+    out: list[CacheSpec] = []
+    for spec in specs:
+        if not takes_budget(spec, model):
+            out.append(spec)
+            continue
+        for b in budgets:
+            value = int(b) if b > 1 and float(b).is_integer() else b  # 256 tokens, or 0.2 of the tokens seen
+            out.append(CacheSpec(spec.name, {**spec.options, "budget": value}, f"{spec.label} budget={b:g}"))
+    if len(out) == len(specs):
+        raise ValueError("--budgets applies to caches with a budget option (h2o); none of --caches takes one: add "
+                         "one, e.g. --caches dynamic h2o")
+    for spec in out:  # a bad budget fails here, before the first trial
+        spec.build(model)
+    return out
+
+
+def run(opts: SuiteOptions) -> list[Row]:
+    """`--suite passkey`: the rows of `run_passkey`, each budget-taking cache at each of --budgets."""
+    specs = parse_specs(opts.caches or ["dynamic", 'h2o:{"budget":0.2}'])
+    context = opts.one_length(1024)
+    loaded = load_model(opts.model)
+    if opts.budgets:
+        specs = with_budgets(specs, opts.budgets, loaded[0])
+    return run_passkey(specs, opts.model, opts.text, context, tuple(opts.depths), opts.trials, opts.seed,
+                       opts.new_tokens, opts.chunk or 0, progress=opts.progress, loaded=loaded)
 
 
 def dump_trials(path: str, trials: list[PasskeyTrial]) -> None:

@@ -1,0 +1,120 @@
+"""End-to-end decoding on a filled cache (`--suite decode`): tokens/s and the peak memory of one decode step.
+
+Caches (`--caches`; default DynamicCache, transformers' QuantizedCache quanto 2-bit when optimum-quanto is installed,
+and the tiered defaults) each prefill `--tokens` tokens of the text in chunks of `--chunk` (512). A cache the fused
+attention reads in place (`reads_fused`: tiered, KIVI) runs twice: through the dequantize path (`sdpa`: the layer
+expands its past every step) and through the fused attention (`hf_kvcache`). Then `--decode-steps` (64) single-token
+steps are timed on the following tokens, the variants taking turns every 8 steps so that a slow spell of the machine
+hits every variant alike. Every variant runs in this one process; fp16 on CUDA, fp32 on the CPU.
+
+Rows: `decode_tokens_per_s` (steps / their total time, so the steps that move groups between tiers count),
+`median_tokens_per_s` (1 / median step), `step_peak_mb` (one more step under the peak-memory probe: CUDA
+max_memory_allocated above what was allocated before, or on CPU the torch profiler's allocation events replayed in time
+order), `cache_mb`, `ratio` (vs fp16), `vs_first` (tokens/s vs the first variant), on fused rows `vs_dequantize`
+(tokens/s vs the same cache's dequantize row) and, on the CPU, `scratch_mb` (the reusable O(block) scratch the CPU
+fused path holds, allocated once).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import statistics
+import time
+
+import torch
+from hf_kvcache.kernels.blockwise import scratch_bytes
+
+from hf_kvcache.caches.base import memory_stats
+
+from ..assets import load_model, load_text, load_tokens
+from ..bench import CacheSpec, parse_specs
+from ..rows import Row, make_row
+from . import SuiteOptions
+from .kernels import cpu_peak_bytes, gpu_peak_bytes, pick_device
+
+QUANTO_2 = 'HF QuantizedCache quanto 2-bit=hf-quanto:{"nbits": 2, "q_group_size": 32, "axis_key": 0, "axis_value": 0}'
+
+
+def default_caches() -> list[str]:
+    """DynamicCache, quanto 2-bit where optimum-quanto is installed, the tiered defaults."""
+    quanto = importlib.util.find_spec("optimum") and importlib.util.find_spec("optimum.quanto")
+    return ["DynamicCache=dynamic"] + ([QUANTO_2] if quanto else []) + ["tiered"]
+
+
+def variants(model, specs: list[CacheSpec]) -> list[tuple[str, str, CacheSpec]]:
+    """(label, attention implementation, spec): every cache through sdpa, fused-readable ones also fused."""
+    out = []
+    for spec in specs:
+        if getattr(spec.build(model), "reads_fused", False):
+            out += [(f"{spec.label}, dequantize + SDPA", "sdpa", spec), (f"{spec.label}, fused (hf_kvcache)",
+                                                                         "hf_kvcache", spec)]
+        else:
+            out.append((spec.label, "sdpa", spec))
+    return out
+
+
+@torch.inference_mode()
+def measure_interleaved(model, chosen: list[tuple[str, str, CacheSpec]], ids: torch.Tensor, context: int, steps: int,
+                        chunk: int, round_steps: int = 8) -> dict[str, dict]:
+    """Prefill one cache per variant, then time their decode steps in turns of `round_steps` (A B C A B C ...);
+    then one more step per variant under the peak-memory probe."""
+    caches = {}
+    for name, attn, spec in chosen:
+        model.set_attn_implementation(attn)
+        caches[name] = spec.build(model)
+        if attn == "hf_kvcache":  # read in place while the model runs that attention (what generate sets up)
+            caches[name].bind(model)
+        for s in range(0, context, chunk):
+            model(input_ids=ids[:, s : min(s + chunk, context)], past_key_values=caches[name], use_cache=True)
+    step_ids = ids[:, context:]
+    times: dict[str, list[float]] = {name: [] for name, _, _ in chosen}
+    try:
+        for r0 in range(0, steps, round_steps):
+            for name, attn, _ in chosen:
+                model.set_attn_implementation(attn)
+                for i in range(r0, min(r0 + round_steps, steps)):
+                    t0 = time.perf_counter()
+                    model(input_ids=step_ids[:, i : i + 1], past_key_values=caches[name], use_cache=True)
+                    if ids.is_cuda:
+                        torch.cuda.synchronize()
+                    times[name].append(time.perf_counter() - t0)
+        out = {}
+        for name, attn, _ in chosen:
+            model.set_attn_implementation(attn)
+            cache = caches[name]
+
+            def one_step(cache=cache) -> None:
+                model(input_ids=step_ids[:, steps : steps + 1], past_key_values=cache, use_cache=True)
+
+            peak = gpu_peak_bytes(one_step) if ids.is_cuda else cpu_peak_bytes(one_step)
+            stats = memory_stats(cache)
+            t = times[name]
+            out[name] = {"decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
+                         "step_peak_mb": peak / 2**20, "cache_mb": stats["bytes"] / 2**20, "ratio": stats["ratio"]}
+    finally:
+        model.set_attn_implementation("sdpa")
+    return out
+
+
+def run(opts: SuiteOptions) -> list[Row]:
+    """One row per variant, in the order of --caches."""
+    if opts.decode_steps is not None and opts.decode_steps < 1:
+        raise ValueError(f"--suite decode times at least one step; got --decode-steps {opts.decode_steps}")
+    context = opts.one_length(4096)
+    steps = opts.decode_steps or 64
+    device = pick_device(opts.device)
+    specs = parse_specs(opts.caches or default_caches())
+    model, tok = load_model(opts.model, dtype=torch.float16 if device.startswith("cuda") else torch.float32)
+    model.to(device)
+    ids = load_tokens(tok, load_text(opts.text), opts.start, context + steps + 1).to(device)
+    chosen = variants(model, specs)
+    results = measure_interleaved(model, chosen, ids, context, steps, opts.chunk or 512)
+    rows = [make_row("decode", name, opts.model, context, **results[name]) for name, _, _ in chosen]
+    for row, (_, attn, spec) in zip(rows, chosen):
+        row["vs_first"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+        if attn == "hf_kvcache":
+            deq = next(r for r, (_, a, s) in zip(rows, chosen) if s is spec and a == "sdpa")
+            row["vs_dequantize"] = row["decode_tokens_per_s"] / deq["decode_tokens_per_s"]
+            if not ids.is_cuda:
+                row["scratch_mb"] = scratch_bytes() / 2**20
+    return rows

@@ -1,0 +1,125 @@
+"""hf-kvcache compare --suite: the one row schema and formatter, the suites' options, bad input, small real runs."""
+
+import json
+
+import pytest
+from hf_kvcache.eval.rows import COMMON, format_rows, make_row
+
+from hf_kvcache.cli import main
+
+
+# ---- the one formatter -----------------------------------------------------------------------------------------------
+def test_format_rows_one_table_per_section_with_a_front_where_rows_have_ratio_and_delta():
+    rows = [
+        make_row("s", "base", "m", 64, section="runs", perplexity=10.0, delta_pct=0.0, ratio=1.0, bytes=100),
+        make_row("s", "small", "m", 64, section="runs", perplexity=10.5, delta_pct=5.0, ratio=4.0, bytes=25),
+        make_row("s", "worse", "m", 64, section="runs", perplexity=11.0, delta_pct=10.0, ratio=2.0, bytes=50),
+        make_row("s", "t0", "m", 64, section="timing", compress_ms=0.5, options={"a": 1}, results=[1, 2]),
+    ]
+    text = format_rows(rows)
+    runs, timing = text.split("\n\n")
+    assert runs.splitlines()[0] == "[runs] tokens=64"
+    head, _, *lines = runs.splitlines()[1:]
+    assert head.split() == ["cache", "ppl", "delta", "bytes", "held", "vs", "fp16", "Pareto"]
+    marks = {line.split()[0]: line.split()[-1] == "yes" for line in lines}
+    assert marks == {"base": True, "small": True, "worse": False}
+    assert "+5.00%" in lines[1] and "4.00x" in lines[1]
+    # no ratio in the timing rows: no Pareto column; lists / dicts and the common keys said above stay out
+    assert timing.splitlines()[1].split() == ["cache", "compress", "ms/block"]
+    assert "Pareto" not in timing and "options" not in timing and "suite" not in text and "0.500" in timing
+
+
+def test_format_rows_shows_tokens_when_they_vary_and_a_dash_where_a_row_lacks_a_column():
+    rows = [make_row("kernels", "fused", "m", 128, ms=1.0), make_row("kernels", "fused", "m", 256, ms=2.0, batch=4)]
+    lines = format_rows(rows).splitlines()
+    assert lines[0].split() == ["cache", "batch", "tokens", "ms"]
+    assert lines[2].split() == ["fused", "-", "128", "1.000"] and lines[3].split() == ["fused", "4", "256", "2.000"]
+
+
+def test_every_row_has_the_common_keys_first():
+    assert list(make_row("passkey", "dynamic", "m", 8, accuracy=1.0)) == [*COMMON, "accuracy"]
+
+
+# ---- options and bad input -------------------------------------------------------------------------------------------
+def test_presets_are_valid_specs_with_distinct_labels():
+    from hf_kvcache.eval.compare import parse_specs
+    from hf_kvcache.eval.suites.perplexity import PRESETS
+
+    for name, texts in PRESETS.items():
+        specs = parse_specs(texts) if texts else []
+        assert [s.label for s in specs][:2] == (["dynamic", "tiered"] if texts else []), name
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--suite", "perplexity", "--tokens", "64", "128", "--caches", "dynamic"], "takes one --tokens value"),
+    (["--suite", "kernels", "--png", "k.png"], "--suite kernels has neither"),
+    (["--suite", "cpac", "--sections", "speed"], "unknown cpac section(s) ['speed']"),
+    (["--suite", "perplexity"], "give at least one cache"),
+    (["--suite", "decode", "--decode-steps", "0", "--caches", "dynamic"], "times at least one step"),
+    (["--suite", "append", "--tokens", "0"], "cached lengths >= 1"),
+])
+def test_bad_suite_input_is_a_clear_error_before_any_run(capsys, argv, message):
+    assert main(["compare", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_from_json_rejects_what_compare_did_not_write(capsys, tmp_path):
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps({"pressure": []}))
+    assert main(["compare", "--from-json", str(path)]) == 2
+    assert "holds no rows" in capsys.readouterr().err
+
+
+# ---- small real runs -------------------------------------------------------------------------------------------------
+def test_append_suite_rows_and_json_round_trip(capsys, tmp_path):
+    """No model: random keys into a tiered and a uniform cache; only tiered layers report the storing part."""
+    path = tmp_path / "append.json"
+    assert main(["compare", "--suite", "append", "--tokens", "64", "160", "--decode-steps", "2",
+                 "--caches", "tiered", "int4", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["suite"], r["cache"], r["tokens"]) for r in rows] == [
+        ("append", "tiered", 64), ("append", "tiered", 160), ("append", "int4", 64), ("append", "int4", 160)]
+    for r in rows:
+        assert 0 < r["update_ms"] <= r["update_worst_ms"]
+        assert ("store_ms" in r) == (r["cache"] == "tiered")
+    out = capsys.readouterr().out
+    assert main(["compare", "--from-json", str(path)]) == 0
+    assert capsys.readouterr().out.strip() in out
+
+
+def test_kernels_suite_on_the_cpu(capsys, tmp_path):
+    path = tmp_path / "kernels.json"
+    assert main(["compare", "--suite", "kernels", "--device", "cpu", "--tokens", "64", "--batch", "1", "--iters",
+                 "1", "--kv-heads", "2", "--head-dim", "64", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["cache"] for r in rows] == ["fused", "sdpa fp32", "dequantize + sdpa"]
+    assert all(r["tokens"] == 64 and r["batch"] == 1 and r["ms"] > 0 and r["gb_per_s"] > 0 for r in rows)
+    assert rows[1]["vs_sdpa"] == 1.0 and rows[0]["vs_sdpa"] == pytest.approx(rows[1]["ms"] / rows[0]["ms"])
+
+
+@pytest.mark.slow
+def test_passkey_suite_runs_each_budget_of_a_budget_taking_cache(capsys, tmp_path):
+    path = tmp_path / "passkey.json"
+    assert main(["compare", "--suite", "passkey", "--tokens", "160", "--depths", "1", "--trials", "1",
+                 "--caches", "dynamic", "h2o", "--budgets", "0.5", "64", "--json",
+                 str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["cache"] for r in rows] == ["dynamic", "h2o budget=0.5", "h2o budget=64"]
+    for r in rows:
+        assert r["tokens"] == 160 and r["trials"] == 1 and r["accuracy"] == r["depth 1"]
+        assert r["accuracy"] == float(r["results"][0]["correct"])
+    assert main(["compare", "--suite", "passkey", "--tokens", "160", "--caches", "dynamic", "int4",
+                 "--budgets", "0.5"]) == 2
+    assert "none of --caches takes one" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_decode_suite_runs_a_fused_cache_both_ways(capsys, tmp_path):
+    path = tmp_path / "decode.json"
+    assert main(["compare", "--suite", "decode", "--tokens", "96", "--decode-steps", "2", "--chunk", "32",
+                 "--caches", "dynamic", "tiered", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["cache"] for r in rows] == ["dynamic", "tiered, dequantize + SDPA", "tiered, fused (hf_kvcache)"]
+    assert all(r["decode_tokens_per_s"] > 0 and r["step_peak_mb"] >= 0 and r["cache_mb"] > 0 for r in rows)
+    assert rows[0]["vs_first"] == 1.0 and "vs_dequantize" in rows[2] and "vs_dequantize" not in rows[1]
+    assert rows[2]["vs_dequantize"] == pytest.approx(rows[2]["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"])
