@@ -104,6 +104,8 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     g.add_argument("--trials", type=int, default=20, help="trials per depth")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
+    g = p.add_argument_group("shared-prefix")
+    g.add_argument("--samples", type=int, default=8, help="num_return_sequences of the one prompt")
     g = p.add_argument_group("kernels")
     g.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (CUDA 1 4 16, CPU 1 4)")
     g.add_argument("--kv-heads", type=int, default=8)

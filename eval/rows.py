@@ -60,6 +60,12 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "store_ms": ("{:.2f}", "store ms"),
     "store_worst_ms": ("{:.2f}", "worst"),
     "quantized_per_step": ("{:.2f}", "quantized/step"),
+    "samples": ("{}", "samples"),
+    "new_tokens": ("{}", "new tokens"),
+    "pages": ("{}", "pages"),
+    "page_refs": ("{}", "refs"),
+    "distinct_samples": ("{}", "distinct"),
+    "samples_sha": ("{}", "samples sha"),
     "accuracy": ("{:.1%}", "mean"),
     "trials": ("{}", "trials"),
 }

@@ -123,3 +123,18 @@ def test_decode_suite_runs_a_fused_cache_both_ways(capsys, tmp_path):
     assert all(r["decode_tokens_per_s"] > 0 and r["step_peak_mb"] >= 0 and r["cache_mb"] > 0 for r in rows)
     assert rows[0]["vs_first"] == 1.0 and "vs_dequantize" in rows[2] and "vs_dequantize" not in rows[1]
     assert rows[2]["vs_dequantize"] == pytest.approx(rows[2]["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_shared_prefix_suite_shares_the_prompt_pages_and_no_sample_changes(tmp_path):
+    path = tmp_path / "shared.json"
+    assert main(["compare", "--suite", "shared-prefix", "--start", "0", "--tokens", "192", "--samples", "3",
+                 "--decode-steps", "4", "--caches", 'unshared=paged_quant:{"share": false}',
+                 'shared=paged_quant:{"share": true}', "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [r["cache"] for r in rows] == ["unshared", "shared"]
+    unshared, shared = rows
+    # 192 prompt tokens = 3 pages of 64 in 30 layers, per row: 270 entries, 90 distinct pages when shared
+    assert unshared["pages"] == unshared["page_refs"] == shared["page_refs"] == 270 and shared["pages"] == 90
+    assert shared["vs_first"] < 0.4 and shared["samples_sha"] == unshared["samples_sha"]  # measured 0.37
+    assert shared["ratio"] == pytest.approx(shared["fp16_bytes"] / shared["bytes"])

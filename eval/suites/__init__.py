@@ -22,6 +22,7 @@ SUITES: dict[str, str] = {
     "kernels": "kernels",
     "append": "append",
     "passkey": "passkey",
+    "shared-prefix": "shared_prefix",
 }
 
 
@@ -47,7 +48,8 @@ class SuiteOptions:
     attn: str = "hf_kvcache"  # cpac: attention implementation
     depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])  # passkey
     trials: int = 20  # passkey, per depth
-    seed: int = 0  # passkey
+    seed: int = 0  # passkey, shared-prefix
+    samples: int = 8  # shared-prefix: num_return_sequences
     new_tokens: int = 8  # passkey answer tokens
     batch: list[int] | None = None  # kernels
     kv_heads: int = 8  # kernels
