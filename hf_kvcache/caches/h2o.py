@@ -526,18 +526,20 @@ class H2OLayer(CompressedLayer):
             window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling)
         return SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, window=window)
 
-    def evict(self) -> None:
-        """Keep the policy's `budget` slots of every (row, KV head)."""
+    def evict(self, budget: int | None = None, protect_last: int = 0) -> None:
+        """Keep the policy's `budget` slots of every (row, KV head) (default: the options' budget for the tokens
+        seen), the `protect_last` newest real tokens among them whatever their score."""
         if self.slots is None:
             return
-        budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
+        if budget is None:
+            budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
         if self.options.head_budgets:
-            keep = self.policy.select_across_heads(self.slot_view(), budget)
+            keep = self.policy.select_across_heads(self.slot_view(), budget, protect_last=protect_last)
             self._compact(keep if keep is not None else self.slots.positions >= 0)
             return
         if budget >= self.tokens_held():
             return
-        keep = self.policy.select(self.slot_view(), budget)
+        keep = self.policy.select(self.slot_view(), budget, protect_last=protect_last)
         if keep is not None:
             self.slots = self.slots.select(keep)
 
@@ -704,6 +706,32 @@ class H2OCache(CompressedCache):
             for layer, scale in zip(layers, self.options.layer_scales(len(layers))):
                 layer.budget_scale = scale
     needs_attention_mass = True  # generate(cache_implementation=...) switches the model to the hf_kvcache attention
+
+    def evict_to(self, tokens: int, protect_last: int = 0) -> None:
+        """Evict now, between two forwards, every layer down to `tokens` slots per (row, KV head) (`pyramid`: that
+        many x the layer's scale), scored by the policy as at the end of a forward (window policies with the last
+        queries seen), keeping the `protect_last` newest tokens whatever their score.
+
+        For a compression at a chosen point -- e.g. once a question has been prefilled after its context (question-
+        aware passkey, `hf_kvcache.eval.passkey`): build the cache with `budget=1.0` (it then never evicts by
+        itself), prefill, call `evict_to(context_budget + question_tokens, protect_last=question_tokens)`, decode.
+        A cache whose own budget is smaller evicts again at the end of the next forward."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
+            raise ValueError(f"evict_to keeps `tokens` slots per KV head: an int >= 1, got {tokens!r}")
+        if isinstance(protect_last, bool) or not isinstance(protect_last, int) or not 0 <= protect_last <= tokens:
+            raise ValueError(
+                f"protect_last must be an int in [0, tokens={tokens}] (the newest tokens kept), got {protect_last!r}"
+            )
+        for layer in self.layers:
+            if not isinstance(layer, H2OLayer) or layer.slots is None:
+                continue
+            if layer._pending:
+                raise RuntimeError(MISSING_MASS.format(cls=type(layer).__name__, policy=layer.options.policy))
+            budget = max(protect_last, 1, round(tokens * layer.budget_scale))
+            layer._expand()
+            layer.evict(budget, protect_last)  # head_budgets: compact again
+            if layer.ring is not None and len(layer.ring) > layer.query_window:  # evicted: crop can no longer undo
+                layer.ring = layer.ring.last(layer.query_window) if layer.query_window else None
 
     def tokens_held(self, layer_idx: int = 0) -> int:
         """Slots held per (row, KV head) by layer `layer_idx`."""
