@@ -57,12 +57,15 @@ def _cmd_passkey(args: argparse.Namespace) -> int:
         return 0
     specs = [CacheSpec.parse(s) for s in args.caches]
     rows = run_passkey(
-        specs, args.model, args.text, args.context, depths, args.trials, args.seed, args.new_tokens, args.chunk
+        specs, args.model, args.text, args.context, depths, args.trials, args.seed, args.new_tokens, args.chunk,
+        mode=args.mode,
     )
+    how = "in one forward" if args.chunk <= 0 else f"in chunks of {args.chunk}"
     print(
         f"passkey: model={args.model} text={args.text} context={args.context} tokens, {args.trials} trials per depth, "
-        f"seed={args.seed}, context prefilled {'in one forward' if args.chunk <= 0 else f'in chunks of {args.chunk}'} "
-        "before the question"
+        f"seed={args.seed}, "
+        + (f"context prefilled {how} before the question" if args.mode == "agnostic" else
+           f"context + question prefilled {how}, then evicted to the budget (question kept) before decoding")
     )
     print(format_passkey_table(rows))
     write_json(args.json, rows)
@@ -203,6 +206,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
     p.add_argument("--chunk", type=int, default=0, help="prefill the context in chunks of this many tokens (0: one)")
+    p.add_argument("--mode", choices=["agnostic", "question"], default="agnostic",
+                   help="agnostic: the context compressed before the question is seen; question: context + question "
+                        "prefilled, then evicted to the budget (h2o, of the context) + the question, then decoded")
     p.add_argument("--json", default=None, help="also write the rows (with every answer) to this file")
     p.add_argument("--dump-trials", default=None, help="only write the trials (token ids) to this JSON file")
     p.set_defaults(func=_cmd_passkey)
