@@ -397,3 +397,29 @@ def test_protect_last_overrides_the_priority():
     view = SlotView(None, torch.arange(6).view(1, 1, 6), torch.ones(1, 1, 6, dtype=torch.bool), seen=6, keys=keys)
     assert policy.select(view, 3).tolist() == [[[0, 1, 2]]]
     assert policy.select(view, 3, protect_last=2).tolist() == [[[0, 4, 5]]]
+
+
+@pytest.mark.parametrize("policy", ["tova", "snapkv", "knorm"])
+def test_shared_heads_keep_one_token_set_per_layer(tiny_model, policy):
+    """`shared_heads=True`: every KV head of a layer holds the same positions over forwards; the per-head default
+    lets them differ (knorm on random weights: the heads' key norms differ)."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 40), generator=torch.Generator().manual_seed(3))
+    held = {}
+    for shared in (False, True):
+        cache = H2OCache(config=model.config, budget=10, policy=policy, shared_heads=shared)
+        with torch.inference_mode():
+            model(ids[:, :30], past_key_values=cache)
+            model(ids[:, 30:], past_key_values=cache)
+        same = []
+        for layer in cache.layers:
+            pos = layer.held_positions()
+            assert pos.shape[-1] == 10
+            same.append(bool((pos == pos[:, :1]).all()))
+        held[shared] = all(same)
+    assert held[True]
+    if policy == "knorm":
+        assert not held[False]
+    with pytest.raises(ValueError, match="shared_heads .* and head_budgets"):
+        H2OOptions(shared_heads=True, head_budgets=True, policy="tova").validate()

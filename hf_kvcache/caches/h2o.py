@@ -105,6 +105,9 @@ class H2OOptions(CacheOptions):
     `head_budgets`: per-head budgets inside a layer (Ada-KV): the layer keeps `budget x kv_heads` slots per row, shared
     by the heads by score (each head keeps at least a fifth of the budget), stored compactly between forwards (a flat
     `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots.
+    `shared_heads`: every KV head of a layer keeps the same tokens, ranked by the policy's priority averaged over the
+    layer's KV heads (kvpress scores TOVA this way) instead of each head its own; in the question-aware passkey it
+    took tova and snapkv from 0 % to the key (`hf_kvcache.eval.passkey`).
     `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
     `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
     scores (assisted decoding crops the rejected candidates); 0 keeps none (the next forward after a crop raises).
@@ -125,6 +128,7 @@ class H2OOptions(CacheOptions):
     pyramid: float | None = None
     min_budget: int | None = None
     head_budgets: bool = False
+    shared_heads: bool = False
     crop_window: int | None = None
 
     def validate(self) -> None:
@@ -193,6 +197,11 @@ class H2OOptions(CacheOptions):
                              f"{self.policy!r}")
         if not isinstance(self.head_budgets, bool):
             raise ValueError(f"head_budgets must be True or False, got {self.head_budgets!r}")
+        if not isinstance(self.shared_heads, bool):
+            raise ValueError(f"shared_heads must be True or False, got {self.shared_heads!r}")
+        if self.shared_heads and self.head_budgets:
+            raise ValueError("shared_heads (one token set per layer) and head_budgets (a budget per head) exclude each "
+                             "other: set one of them")
         if self.head_budgets and (not policy.needs_scores or policy.uses_keys):
             raise ValueError(
                 f"head_budgets shares a layer's budget across its heads by attention, which needs a policy whose "
@@ -539,7 +548,7 @@ class H2OLayer(CompressedLayer):
             return
         if budget >= self.tokens_held():
             return
-        keep = self.policy.select(self.slot_view(), budget, protect_last=protect_last)
+        keep = self.policy.select(self.slot_view(), budget, protect_last=protect_last, shared=self.options.shared_heads)
         if keep is not None:
             self.slots = self.slots.select(keep)
 

@@ -111,17 +111,22 @@ class EvictionPolicy:
         """`[batch, kv_heads, slots]`: higher = keep. The one method a policy overrides."""
         raise NotImplementedError
 
-    def select(self, view: SlotView, budget: int, protect_last: int = 0) -> torch.Tensor | None:
+    def select(self, view: SlotView, budget: int, protect_last: int = 0, shared: bool = False) -> torch.Tensor | None:
         """Indices `[batch, kv_heads, budget]` (ascending, i.e. oldest first) of the slots to keep; None = keep all.
-        `protect_last`: the newest real tokens kept whatever their priority (a question, `H2OCache.evict_to`)."""
+        `protect_last`: the newest real tokens kept whatever their priority (a question, `H2OCache.evict_to`).
+        `shared`: every KV head keeps the same slots, ranked by the priority averaged over the heads (the heads must
+        hold the same tokens in the same slots: a layer that always evicts this way does)."""
         if budget >= view.valid.shape[-1]:
             return None
-        priority = self._ranked(view, budget, protect_last)
+        priority = self._ranked(view, budget, protect_last, shared)
         return priority.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    def _ranked(self, view: SlotView, budget: int, protect_last: int) -> torch.Tensor:
-        """`[batch, kv_heads, slots]` float32 priority: padding `-inf`, the `protect_last` newest real tokens `+inf`."""
+    def _ranked(self, view: SlotView, budget: int, protect_last: int, shared: bool = False) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` float32 priority: padding `-inf`, the `protect_last` newest real tokens `+inf`;
+        `shared`: averaged over the KV heads (protected slots stay `+inf`)."""
         priority = self.priority(view, budget).float()
+        if shared:
+            priority = priority.mean(1, keepdim=True).expand_as(priority)
         if protect_last:
             priority = priority.masked_fill(view.last(protect_last), INF)
         return priority.masked_fill(~view.valid, -INF)
