@@ -104,6 +104,11 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     g.add_argument("--trials", type=int, default=20, help="trials per depth")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
+    g.add_argument("--mode", choices=["agnostic", "question"], default="agnostic",
+                   help="agnostic: the context compressed before the question is seen; question: context + question "
+                        "prefilled, then evicted to the budget (h2o, of the context) + the question, then decoded")
+    g = p.add_argument_group("needle")
+    g.add_argument("--heatmaps", default=None, help="write one heatmap PNG per cache into this folder")
     g = p.add_argument_group("shared-prefix")
     g.add_argument("--samples", type=int, default=8, help="num_return_sequences of the one prompt")
     g = p.add_argument_group("kernels")

@@ -7,11 +7,21 @@ hf_kvcache (the trials come as token ids in a JSON file):
     hf-kvcache passkey --dump-trials /tmp/passkey_trials.json --context 1024 --trials 20
     MODEL=$(python -c "from hf_kvcache.eval.assets import model_dir; print(model_dir('smollm2-135m'))")
     /tmp/kvpress-venv/bin/python eval/kvpress_passkey.py /tmp/passkey_trials.json --model $MODEL \\
-        --presses none streaming_llm observed_attention snapkv --compression-ratio 0.8
+        --presses none streaming_llm observed_attention snapkv --compression-ratio 0.8 --mode question
 
-Same protocol as `hf_kvcache.eval.suites.passkey`: the context is prefilled in one forward inside the press (kvpress
-compresses during prefill only), then the question is fed and the answer decoded greedily. The question and answer
-tokens get their true positions (kvpress's cache length no longer counts the evicted tokens).
+Same protocols as `hf_kvcache.eval.suites.passkey` (`--mode`):
+* agnostic: the context is prefilled in one forward inside the press (kvpress compresses during prefill only), then
+  the question is fed and the answer decoded greedily;
+* question: context + question are prefilled in one forward inside the press (kvpress has no question-aware switch;
+  compressing the prompt that ends with the question is how it is made question-aware: its SnapKV window, 64 tokens,
+  then holds the question; TOVA scores by the last question token), the first answer token comes from that
+  forward's logits, the rest are decoded over the compressed cache.
+The question and answer tokens get their true positions (kvpress's cache length no longer counts the evicted tokens).
+Budgets as ours: `--compression-ratio r` keeps f = 1 - r of the context, ceil(f x context tokens) -- plus, in the
+question mode, the question's tokens, i.e. the press gets the ratio that keeps ceil(f x context) + question tokens of
+context + question (which of them it keeps is its own choice: kvpress protects no question token, except SnapKV's
+window and TOVA's last token). Each result records `held`, the tokens layer 0 holds when the answer starts, and the
+trial's `length` when the trials file has one (`hf_kvcache.eval.needle.dump_grid_trials`).
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import re
 import time
 
@@ -35,29 +46,42 @@ def make_press(name: str, ratio: float):
         "snapkv": lambda: kvpress.SnapKVPress(compression_ratio=ratio),
         "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
         "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
+        "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
     }
     if name not in presses:
         raise SystemExit(f"unknown press {name!r}; choose from {sorted(presses)}")
     return presses[name]() if presses[name] else None
 
 
+def press_ratio(keep_fraction: float, context: int, question: int, mode: str) -> float:
+    """The compression_ratio under which a press over `context` (+ `question`, mode "question") tokens keeps
+    ceil(keep_fraction x context) (+ question) of them (kvpress keeps int(tokens x (1 - ratio)))."""
+    keep = math.ceil(keep_fraction * context - 1e-9) + (question if mode == "question" else 0)
+    total = context + (question if mode == "question" else 0)
+    return 1.0 - (keep + 0.5) / total
+
+
 @torch.inference_mode()
-def run_trial(model, tokenizer, press, trial: dict, new_tokens: int, eager: bool) -> dict:
+def run_trial(model, tokenizer, name: str, keep_fraction: float, trial: dict, new_tokens: int, eager: bool,
+              mode: str = "agnostic") -> dict:
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    context = torch.tensor([trial["context_ids"]])
-    n = context.shape[1]
+    n, q = len(trial["context_ids"]), len(trial["question_ids"])
+    press = make_press(name, press_ratio(keep_fraction, n, q, mode))
+    prompt = trial["context_ids"] + (trial["question_ids"] if mode == "question" else [])
     with press(model) if press is not None else contextlib.nullcontext():
-        model(input_ids=context, past_key_values=cache, use_cache=True, output_attentions=eager)
-    question = torch.tensor([trial["question_ids"]])
-    pos = n
-    ids = question
+        logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
+                       output_attentions=eager).logits
+    held = int(cache.layers[0].keys.shape[2])
+    pos = len(prompt)
+    ids = torch.tensor([trial["question_ids"]])
     answer = []
-    for _ in range(new_tokens):
-        position_ids = torch.arange(pos, pos + ids.shape[1])[None]
-        logits = model(input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True).logits
-        pos += ids.shape[1]
+    for step in range(new_tokens):
+        if mode == "agnostic" or step > 0:
+            position_ids = torch.arange(pos, pos + ids.shape[1])[None]
+            logits = model(input_ids=ids, past_key_values=cache, position_ids=position_ids, use_cache=True).logits
+            pos += ids.shape[1]
         nxt = int(logits[0, -1].argmax())
         answer.append(nxt)
         if nxt == tokenizer.eos_token_id:
@@ -65,7 +89,9 @@ def run_trial(model, tokenizer, press, trial: dict, new_tokens: int, eager: bool
         ids = torch.tensor([[nxt]])
     text = tokenizer.decode(answer, skip_special_tokens=True)
     m = re.search(r"\d+", text)
-    return {"depth": trial["depth"], "key": trial["key"], "answer": text, "correct": bool(m and m.group(0) == trial["key"])}
+    out = {"depth": trial["depth"], "key": trial["key"], "answer": text, "correct": bool(m and m.group(0) == trial["key"]),
+           "held": held}
+    return out | ({"length": trial["length"]} if "length" in trial else {})
 
 
 def main() -> None:
@@ -74,6 +100,8 @@ def main() -> None:
     ap.add_argument("--model", required=True, help="the local model folder (hf_kvcache.eval.assets.model_dir)")
     ap.add_argument("--presses", nargs="+", default=["none", "streaming_llm", "observed_attention", "snapkv"])
     ap.add_argument("--compression-ratio", type=float, default=0.8, help="fraction removed (0.8 keeps 20 %%)")
+    ap.add_argument("--mode", choices=["agnostic", "question"], default="agnostic",
+                    help="agnostic: the context compressed before the question; question: context + question")
     ap.add_argument("--new-tokens", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--json", default=None)
@@ -90,7 +118,8 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     print(f"kvpress {kvpress.__version__ if hasattr(kvpress, '__version__') else '?'}, transformers "
           f"{transformers.__version__}, torch {torch.__version__}; {len(trials)} trials, "
-          f"compression_ratio={args.compression_ratio} (keeps {100 * (1 - args.compression_ratio):.0f} % of the context)")
+          f"compression_ratio={args.compression_ratio} (keeps {100 * (1 - args.compression_ratio):.0f} % of the context), "
+          f"mode={args.mode}")
     depths = sorted({t["depth"] for t in trials})
     rows = []
     for name in args.presses:
@@ -98,12 +127,12 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(
             args.model, dtype=torch.float32, attn_implementation="eager" if eager else "sdpa"
         ).eval()
-        press = make_press(name, args.compression_ratio)
         t0 = time.perf_counter()
-        results = [run_trial(model, tokenizer, press, t, args.new_tokens, eager) for t in trials]
+        keep = 1.0 - args.compression_ratio
+        results = [run_trial(model, tokenizer, name, keep, t, args.new_tokens, eager, args.mode) for t in trials]
         acc = {f"{d:g}": sum(r["correct"] for r in results if r["depth"] == d) / max(1, sum(r["depth"] == d for r in results))
                for d in depths}
-        rows.append({"press": name, "accuracy": acc, "mean": sum(r["correct"] for r in results) / len(results),
+        rows.append({"press": name, "mode": args.mode, "compression_ratio": args.compression_ratio, "accuracy": acc, "mean": sum(r["correct"] for r in results) / len(results),
                      "trials": len(results), "seconds": time.perf_counter() - t0, "results": results})
         print(f"{name}: " + "  ".join(f"depth {d}: {100 * a:.0f}%" for d, a in acc.items())
               + f"  mean {100 * rows[-1]['mean']:.1f}%  ({rows[-1]['seconds']:.0f} s)", flush=True)

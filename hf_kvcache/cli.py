@@ -196,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
     p.add_argument("--chunk", type=int, default=0, help="prefill the context in chunks of this many tokens (0: one)")
+    p.add_argument("--mode", choices=["agnostic", "question"], default="agnostic",
+                   help="agnostic: the context compressed before the question is seen; question: context + question "
+                        "prefilled, then evicted to the budget (h2o, of the context) + the question, then decoded")
     p.add_argument("--json", default=None, help="also write the rows (with every answer) to this file")
     p.add_argument("--dump-trials", default=None, help="only write the trials (token ids) to this JSON file")
     p.set_defaults(func=_cmd_passkey)

@@ -138,3 +138,18 @@ def test_shared_prefix_suite_shares_the_prompt_pages_and_no_sample_changes(tmp_p
     assert unshared["pages"] == unshared["page_refs"] == shared["page_refs"] == 270 and shared["pages"] == 90
     assert shared["vs_first"] < 0.4 and shared["samples_sha"] == unshared["samples_sha"]  # measured 0.37
     assert shared["ratio"] == pytest.approx(shared["fp16_bytes"] / shared["bytes"])
+
+
+@pytest.mark.slow
+def test_needle_suite_one_row_per_cell_and_a_heatmap_per_cache(tmp_path):
+    path = tmp_path / "needle.json"
+    assert main(["compare", "--suite", "needle", "--tokens", "256", "512", "--depths", "0.1", "0.9", "--trials", "1",
+                 "--caches", "dynamic", "h2o", "--budgets", "0.5", "--mode", "question", "--heatmaps",
+                 str(tmp_path), "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["cache"], r["tokens"], r["depth"]) for r in rows] == [
+        (c, n, d) for c in ("dynamic", "h2o budget=0.5") for n in (256, 512) for d in (0.1, 0.9)]
+    assert all(r["mode"] == "question" and r["trials"] == 1 and len(r["results"]) == 1 for r in rows)
+    held = {(r["cache"], r["tokens"]): r["held"] for r in rows}
+    assert held["h2o budget=0.5", 512] < 0.6 * held["dynamic", 512]  # evicted to half the context before answering
+    assert sorted(p.name for p in tmp_path.glob("*.png")) == ["dynamic_question.png", "h2o_budget_0.5_question.png"]

@@ -345,3 +345,81 @@ def test_generate_by_name_switches_attention(smol, pydoc_text):
         assert torch.equal(full, model.generate(ids, **kw))
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@pytest.mark.parametrize("policy,head_budgets", [("snapkv", False), ("tova", False), ("h2o", False), ("knorm", False),
+                                                 ("snapkv", True)])
+def test_evict_to_drops_to_the_budget_keeps_the_newest_and_stays_exact(tiny_model, policy, head_budgets):
+    """`evict_to` between forwards (budget=1.0: the cache never evicts by itself): every layer holds exactly the
+    tokens asked for, the protected newest ones among them in every row and head, nothing is evicted after, and the
+    next forward equals dense attention over the kept tokens."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 31), generator=torch.Generator().manual_seed(2))
+    cache = H2OCache(config=model.config, budget=1.0, policy=policy, head_budgets=head_budgets)
+    with torch.inference_mode():
+        model(ids[:, :30], past_key_values=cache)
+        assert cache.tokens_held() == 30
+        before = cache.memory_stats()["bytes"]
+        cache.evict_to(12, protect_last=5)
+        assert cache.memory_stats()["bytes"] < before
+        for layer in cache.layers:
+            pos = layer.held_positions()
+            assert (layer.held_valid().sum(-1) == 12).all()
+            for p in range(25, 30):  # the protected tokens, in every row and head
+                assert (pos == p).any(-1).all()
+        dense = DynamicCache(config=model.config)
+        for i, layer in enumerate(cache.layers):
+            dense.update(*(t.clone() for t in layer.held_keys_values()), i)
+        valid = cache.layers[0].held_valid()[:, 0].long()
+        pos_ids = torch.full((B, 1), 30)
+        out = model(ids[:, 30:], past_key_values=cache, position_ids=pos_ids).logits
+        assert cache.tokens_held() == 13 and cache.get_seq_length() == 31  # the budget 1.0 evicts nothing more
+        if not head_budgets:  # ragged heads hold different tokens: no single dense cache to compare with
+            ref = model(ids[:, 30:], attention_mask=torch.cat([valid, torch.ones(B, 1, dtype=torch.long)], 1),
+                        past_key_values=dense, position_ids=pos_ids).logits
+            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_evict_to_bad_input():
+    cache = H2OCache(config=tiny_config(), budget=1.0, policy="tova")
+    with pytest.raises(ValueError, match="an int >= 1"):
+        cache.evict_to(0)
+    with pytest.raises(ValueError, match=r"protect_last must be an int in \[0, tokens=4\]"):
+        cache.evict_to(4, protect_last=5)
+
+
+def test_protect_last_overrides_the_priority():
+    """`select(..., protect_last=k)`: the k newest real tokens are kept even where their score is the lowest."""
+    policy = POLICIES["knorm"]()
+    # growing norms, the two newest the largest: knorm would drop them first
+    keys = torch.ones(1, 1, 6, D) * torch.tensor([1.0, 1.1, 1.2, 1.3, 10.0, 11.0]).view(1, 1, 6, 1)
+    view = SlotView(None, torch.arange(6).view(1, 1, 6), torch.ones(1, 1, 6, dtype=torch.bool), seen=6, keys=keys)
+    assert policy.select(view, 3).tolist() == [[[0, 1, 2]]]
+    assert policy.select(view, 3, protect_last=2).tolist() == [[[0, 4, 5]]]
+
+
+@pytest.mark.parametrize("policy", ["tova", "snapkv", "knorm"])
+def test_shared_heads_keep_one_token_set_per_layer(tiny_model, policy):
+    """`shared_heads=True`: every KV head of a layer holds the same positions over forwards; the per-head default
+    lets them differ (knorm on random weights: the heads' key norms differ)."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (B, 40), generator=torch.Generator().manual_seed(3))
+    held = {}
+    for shared in (False, True):
+        cache = H2OCache(config=model.config, budget=10, policy=policy, shared_heads=shared)
+        with torch.inference_mode():
+            model(ids[:, :30], past_key_values=cache)
+            model(ids[:, 30:], past_key_values=cache)
+        same = []
+        for layer in cache.layers:
+            pos = layer.held_positions()
+            assert pos.shape[-1] == 10
+            same.append(bool((pos == pos[:, :1]).all()))
+        held[shared] = all(same)
+    assert held[True]
+    if policy == "knorm":
+        assert not held[False]
+    with pytest.raises(ValueError, match="shared_heads .* and head_budgets"):
+        H2OOptions(shared_heads=True, head_budgets=True, policy="tova").validate()

@@ -23,6 +23,7 @@ SUITES: dict[str, str] = {
     "append": "append",
     "passkey": "passkey",
     "shared-prefix": "shared_prefix",
+    "needle": "needle",
 }
 
 
@@ -34,7 +35,7 @@ class SuiteOptions:
     model: str = "smollm2-135m"
     text: str = "moby-dick"
     start: int = 5000
-    tokens: list[int] | None = None  # tokens scored / cached; several for kernels and append
+    tokens: list[int] | None = None  # tokens scored / cached; several for kernels, append and needle
     chunk: int | None = None  # tokens per forward (passkey: 0 prefills the context in one forward)
     caches: list[str] | None = None  # cache specs (name, name:{json}, label=name:{json}); added to a preset
     budgets: list[float] | None = None  # passkey: each budget-taking cache at each budget; cpac: memory budgets
@@ -50,7 +51,9 @@ class SuiteOptions:
     trials: int = 20  # passkey, per depth
     seed: int = 0  # passkey, shared-prefix
     samples: int = 8  # shared-prefix: num_return_sequences
+    heatmaps: str | None = None  # needle: folder for one heatmap PNG per cache
     new_tokens: int = 8  # passkey answer tokens
+    mode: str = "agnostic"  # passkey: "agnostic" (context compressed before the question) or "question"
     batch: list[int] | None = None  # kernels
     kv_heads: int = 8  # kernels
     group: int = 4  # kernels: query heads per KV head
@@ -63,8 +66,8 @@ class SuiteOptions:
         if not self.tokens:
             return default
         if len(self.tokens) != 1:
-            raise ValueError(f"--suite {self.suite} takes one --tokens value, got {self.tokens}; only kernels and "
-                             "append take several")
+            raise ValueError(f"--suite {self.suite} takes one --tokens value, got {self.tokens}; only kernels, append "
+                             "and needle take several")
         if self.tokens[0] < 2:
             raise ValueError(f"--tokens must be at least 2, got {self.tokens[0]}")
         return self.tokens[0]

@@ -4,10 +4,24 @@ Each trial: an instruction, a window of Moby Dick (a random place in the book, s
 with the sentence "The pass key is 12345. Remember it. 12345 is the pass key." inserted at `depth` (0 = right after the
 instruction, 1 = right before the question), then the question "Question: What is the pass key?\nAnswer: The pass key is".
 
-Protocol (the one of kvpress and most KV-compression papers): the context (instruction + filler + key) goes through the
-cache first -- one forward, or `chunk`-token forwards -- so the cache compresses it without seeing the question; then
-the question is fed and `new_tokens` tokens are decoded greedily. A trial is correct when the first number in the
-answer is the key. Every cache runs on the same trials (same seed), with the same model.
+Two modes (`mode`):
+* "agnostic" (default; the protocol of kvpress and most KV-compression papers): the context (instruction + filler +
+  key) goes through the cache first -- one forward, or `chunk`-token forwards -- so the cache compresses it with its
+  own budget rule without seeing the question; then the question is fed and `new_tokens` tokens are decoded greedily
+  (an `h2o` cache with a ratio budget keeps evicting to that ratio of the tokens seen as the question and answer come).
+* "question" (question-aware; `h2o` and `dynamic` only): context + question are prefilled together (`chunk`-token
+  forwards or one) into the h2o cache built with `budget=1.0`, so nothing is evicted until the question has been
+  seen; then `H2OCache.evict_to` drops every layer to the context budget + the question tokens, the question kept
+  whatever its score, scored by the policy with the queries it holds -- those of the question (tova: the last
+  question token; snapkv: the question tokens, `window` = their count unless the spec sets one; h2o: the mass of
+  every query so far; knorm: none) -- and the answer is decoded over that cache, which evicts nothing more (the
+  decoded tokens are all kept, as in kvpress). Budget: a ratio `f` keeps ceil(f x context tokens) context tokens, an
+  int budget that many context tokens; the question comes on top. The first answer token comes from the logits of
+  the prefill forward (every layer attended over the whole context; for SmolLM2 it is the space before the key's
+  digits), the others from the compressed cache.
+A trial is correct when the first number in the answer is the key. Every cache runs on the same trials (same seed),
+with the same model; each result records `held`, the slots per KV head of layer 0 when the answer starts, and
+`bytes`, what the cache holds then (`memory_stats`).
 
     hf-kvcache compare --suite passkey --caches dynamic h2o --budgets 0.2 0.5 --tokens 1024 --trials 20
     hf-kvcache passkey --caches dynamic 'h2o:{"budget":0.2}' --context 1024 --trials 20   (the same, older options)
@@ -103,10 +117,53 @@ def first_number(answer: str) -> str | None:
     return m.group(0) if m else None
 
 
+MODES = ("agnostic", "question")
+
+
+def _held(cache) -> tuple[int, int]:
+    """(slots per KV head held by layer 0, bytes every tensor of the cache holds, `memory_stats`)."""
+    from hf_kvcache.caches.base import memory_stats
+
+    held = cache.tokens_held(0) if hasattr(cache, "tokens_held") else cache.get_seq_length()
+    return int(held), int(memory_stats(cache)["bytes"])
+
+
+def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_tokens: int):
+    """(cache, tokens to keep per KV head after the prefill) for the question-aware mode: an `h2o` spec is built with
+    `budget=1.0` (nothing evicted while context + question are prefilled) and, for snapkv without a `window`, the
+    window set to the question's tokens; the tokens to keep are the spec's context budget (a ratio of
+    `context_tokens`, or an int) + `question_tokens`. A `dynamic` spec: (DynamicCache, None)."""
+    if spec.name == "dynamic":
+        return spec.build(model), None
+    if spec.name != "h2o":
+        raise ValueError(
+            f"the question-aware passkey mode drives the eviction of an h2o cache (H2OCache.evict_to); got cache "
+            f"{spec.name!r}: use mode='agnostic' for it, or an h2o spec such as 'h2o:{{\"budget\":0.2}}'"
+        )
+    from hf_kvcache.caches.h2o import H2OOptions
+    from hf_kvcache.registry import build_cache
+
+    options = dict(spec.options)
+    keep = H2OOptions(**options).budget_for(context_tokens) + question_tokens
+    options["budget"] = 1.0
+    options.pop("min_budget", None)  # applies to a ratio budget below 1; the context budget above used it
+    if options.get("policy") == "snapkv" and options.get("window") is None:
+        options["window"] = question_tokens
+    return build_cache("h2o", model.config, **options), keep
+
+
 @torch.inference_mode()
-def run_trial(model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int = 8, chunk: int = 0) -> dict:
+def run_trial(
+    model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int = 8, chunk: int = 0,
+    mode: str = "agnostic",
+) -> dict:
+    """One trial: `{"depth", "key", "answer", "correct", "held", "bytes"}` (see the module docstring for `mode`)."""
     from hf_kvcache.registry import attached
 
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (query-agnostic or question-aware), got {mode!r}")
+    if mode == "question":
+        return _run_question_aware(model, tokenizer, spec, trial, new_tokens, chunk)
     cache = spec.build(model)
     dev = model.device
     context = torch.tensor([trial.context_ids], device=dev)
@@ -115,12 +172,41 @@ def run_trial(model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens
     with attached(model, cache):  # the attention the cache needs, for the context as for the generate after it
         for s in range(0, context.shape[1], step):
             model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True)
+        held, nbytes = _held(cache)  # after the context: the question has not been seen
         out = model.generate(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
     answer = tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
-    return {"depth": trial.depth, "key": trial.key, "answer": answer, "correct": first_number(answer) == trial.key}
+    return {"depth": trial.depth, "key": trial.key, "answer": answer, "correct": first_number(answer) == trial.key,
+            "held": held, "bytes": nbytes}
+
+
+def _run_question_aware(model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int, chunk: int) -> dict:
+    from hf_kvcache.registry import attached
+
+    n, q = len(trial.context_ids), len(trial.question_ids)
+    cache, keep = question_aware_cache(model, spec, n, q)
+    full = torch.tensor([trial.context_ids + trial.question_ids], device=model.device)
+    step = chunk if chunk and chunk > 0 else full.shape[1]
+    tokens: list[int] = []
+    with attached(model, cache):
+        for s in range(0, full.shape[1], step):
+            logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True).logits
+        if keep is not None:
+            cache.evict_to(keep, protect_last=q)  # the question has been seen: down to the budget, question kept
+        held, nbytes = _held(cache)
+        nxt = int(logits[0, -1].argmax())
+        for _ in range(new_tokens):
+            tokens.append(nxt)
+            if nxt == tokenizer.eos_token_id or len(tokens) == new_tokens:
+                break
+            logits = model(input_ids=torch.tensor([[nxt]], device=full.device), past_key_values=cache,
+                           use_cache=True).logits
+            nxt = int(logits[0, -1].argmax())
+    answer = tokenizer.decode(tokens, skip_special_tokens=True)
+    return {"depth": trial.depth, "key": trial.key, "answer": answer, "correct": first_number(answer) == trial.key,
+            "held": held, "bytes": nbytes}
 
 
 def run_passkey(
@@ -135,9 +221,13 @@ def run_passkey(
     chunk: int = 0,
     progress: bool = True,
     loaded: tuple | None = None,
+    mode: str = "agnostic",
 ) -> list[Row]:
     """One row per spec: accuracy per depth, mean accuracy, seconds, and the per-trial answers (`loaded`: the
-    (model, tokenizer) of `model_name` when the caller has loaded them already)."""
+    (model, tokenizer) of `model_name` when the caller has loaded them already; `mode`: see the module docstring,
+    the row's `mode` says which)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (query-agnostic or question-aware), got {mode!r}")
     torch.manual_seed(0)
     model, tokenizer = loaded or load_model(model_name)
     all_trials = make_trials(tokenizer, load_text(text), context_tokens, depths, trials, seed)
@@ -149,19 +239,20 @@ def run_passkey(
 
             items = tqdm(all_trials, desc=f"passkey {spec.label}", unit="trial", leave=False)
         t0 = time.perf_counter()
-        results = [run_trial(model, tokenizer, spec, t, new_tokens, chunk) for t in items]
-        rows.append(summarize(spec.label, model_name, context_tokens, results, depths, time.perf_counter() - t0))
+        results = [run_trial(model, tokenizer, spec, t, new_tokens, chunk, mode) for t in items]
+        rows.append(summarize(spec.label, model_name, context_tokens, results, depths, time.perf_counter() - t0,
+                              mode))
     return rows
 
 
 def summarize(label: str, model_name: str, context_tokens: int, results: list[dict], depths: tuple[float, ...],
-              seconds: float) -> Row:
+              seconds: float, mode: str = "agnostic") -> Row:
     """The row of one cache: accuracy per depth and overall, with every trial's answer."""
     acc = {}
     for d in depths:
         hits = [r["correct"] for r in results if r["depth"] == d]
         acc[f"depth {d:g}"] = sum(hits) / len(hits) if hits else float("nan")
-    return make_row("passkey", label, model_name, context_tokens, **acc,
+    return make_row("passkey", label, model_name, context_tokens, mode=mode, **acc,
                     accuracy=sum(r["correct"] for r in results) / len(results), trials=len(results), seconds=seconds,
                     results=results)
 
@@ -175,14 +266,16 @@ def takes_budget(spec: CacheSpec, model) -> bool:
 def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[CacheSpec]:
     """Each spec that takes a budget once per budget (labelled `label budget=B`), the others once."""
     out: list[CacheSpec] = []
+    takers = 0
     for spec in specs:
         if not takes_budget(spec, model):
             out.append(spec)
             continue
+        takers += 1
         for b in budgets:
             value = int(b) if b > 1 and float(b).is_integer() else b  # 256 tokens, or 0.2 of the tokens seen
             out.append(CacheSpec(spec.name, {**spec.options, "budget": value}, f"{spec.label} budget={b:g}"))
-    if len(out) == len(specs):
+    if not takers:
         raise ValueError("--budgets applies to caches with a budget option (h2o); none of --caches takes one: add "
                          "one, e.g. --caches dynamic h2o")
     for spec in out:  # a bad budget fails here, before the first trial
@@ -198,7 +291,7 @@ def run(opts: SuiteOptions) -> list[Row]:
     if opts.budgets:
         specs = with_budgets(specs, opts.budgets, loaded[0])
     return run_passkey(specs, opts.model, opts.text, context, tuple(opts.depths), opts.trials, opts.seed,
-                       opts.new_tokens, opts.chunk or 0, progress=opts.progress, loaded=loaded)
+                       opts.new_tokens, opts.chunk or 0, progress=opts.progress, loaded=loaded, mode=opts.mode)
 
 
 def dump_trials(path: str, trials: list[PasskeyTrial]) -> None:

@@ -111,25 +111,40 @@ class EvictionPolicy:
         """`[batch, kv_heads, slots]`: higher = keep. The one method a policy overrides."""
         raise NotImplementedError
 
-    def select(self, view: SlotView, budget: int) -> torch.Tensor | None:
-        """Indices `[batch, kv_heads, budget]` (ascending, i.e. oldest first) of the slots to keep; None = keep all."""
+    def select(self, view: SlotView, budget: int, protect_last: int = 0, shared: bool = False) -> torch.Tensor | None:
+        """Indices `[batch, kv_heads, budget]` (ascending, i.e. oldest first) of the slots to keep; None = keep all.
+        `protect_last`: the newest real tokens kept whatever their priority (a question, `H2OCache.evict_to`).
+        `shared`: every KV head keeps the same slots, ranked by the priority averaged over the heads (the heads must
+        hold the same tokens in the same slots: a layer that always evicts this way does)."""
         if budget >= view.valid.shape[-1]:
             return None
-        priority = self.priority(view, budget).float().masked_fill(~view.valid, -INF)
+        priority = self._ranked(view, budget, protect_last, shared)
         return priority.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    def select_across_heads(self, view: SlotView, budget: int, floor: float = 0.2) -> torch.Tensor | None:
+    def _ranked(self, view: SlotView, budget: int, protect_last: int, shared: bool = False) -> torch.Tensor:
+        """`[batch, kv_heads, slots]` float32 priority: padding `-inf`, the `protect_last` newest real tokens `+inf`;
+        `shared`: averaged over the KV heads (protected slots stay `+inf`)."""
+        priority = self.priority(view, budget).float()
+        if shared:
+            priority = priority.mean(1, keepdim=True).expand_as(priority)
+        if protect_last:
+            priority = priority.masked_fill(view.last(protect_last), INF)
+        return priority.masked_fill(~view.valid, -INF)
+
+    def select_across_heads(
+        self, view: SlotView, budget: int, floor: float = 0.2, protect_last: int = 0
+    ) -> torch.Tensor | None:
         """Per-head budgets (Ada-KV): `[batch, kv_heads, slots]` bool, the slots to keep, `budget * kv_heads` per row
         shared by the KV heads of a layer by priority (heads whose attention is spread keep more, peaked heads fewer),
         each head keeping at least `floor * budget` of its best slots (and its protected ones). Priorities must be
         comparable across heads (attention-based ones are: each query head's attention sums to 1). None = keep all.
-        Slots that hold no token (`positions < 0`) are never kept."""
+        Slots that hold no token (`positions < 0`) are never kept; the `protect_last` newest real tokens always are."""
         b, h, slots = view.valid.shape
         exists = view.positions >= 0
         total = budget * h
         if int(exists.sum(dim=(1, 2)).max()) <= total:
             return None
-        priority = self.priority(view, budget).float().masked_fill(~view.valid, -INF)
+        priority = self._ranked(view, budget, protect_last)
         guaranteed = min(slots, max(0, int(floor * budget)))
         if guaranteed:  # each head's best slots rank above every unprotected slot of the layer
             top = priority.topk(guaranteed, dim=-1).indices
