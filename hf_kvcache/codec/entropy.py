@@ -38,6 +38,19 @@ def _scaled_counts(counts: np.ndarray) -> np.ndarray:
     return np.where(counts > 0, np.clip(scaled, 1, 65535), 0).astype(np.uint16)
 
 
+def _decode_groups(decoder, sizes, table) -> list[np.ndarray]:
+    """The symbols of each group (`sizes[g]` of them, model row `table[g]`), decoded in order from one ANS stack."""
+    out = []
+    for size, row in zip(sizes, table):
+        if size == 0:
+            out.append(np.zeros(0, dtype=np.int32))
+            continue
+        if not row.any():
+            raise ValueError("corrupt entropy-coded stream: empty model for a non-empty group")
+        out.append(decoder.decode(_model(row), int(size)))
+    return out
+
+
 def _model(row: np.ndarray):
     return constriction.stream.model.Categorical(row.astype(np.float64), perfect=False)
 
@@ -69,15 +82,7 @@ def decode_groups(data: bytes, sizes: Sequence[int]) -> list[np.ndarray]:
     ).reshape(n_groups, alphabet)
     words = np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32)
     decoder = constriction.stream.stack.AnsCoder(words)
-    out = []
-    for size, row in zip(sizes, table):
-        if size == 0:
-            out.append(np.zeros(0, dtype=np.int32))
-            continue
-        if not row.any():
-            raise ValueError("corrupt entropy-coded stream: empty model for a non-empty group")
-        out.append(decoder.decode(_model(row), int(size)))
-    return out
+    return _decode_groups(decoder, sizes, table)
 
 
 # largest table entry of the compact (lossless) format, by index; uint8 storage up to 255
@@ -168,15 +173,7 @@ def decode_symbols(data: bytes, sizes: Sequence[int], alphabet: int) -> list[np.
     if (len(data) - table_end) % 4:
         raise ValueError("corrupt entropy-coded stream: coded words are not whole 32-bit words")
     decoder = constriction.stream.stack.AnsCoder(np.frombuffer(data[table_end:], dtype="<u4").astype(np.uint32))
-    out = []
-    for size, row in zip(sizes, table):
-        if size == 0:
-            out.append(np.zeros(0, dtype=np.int32))
-            continue
-        if not row.any():
-            raise ValueError("corrupt entropy-coded stream: empty model for a non-empty group")
-        out.append(decoder.decode(_model(row), int(size)))
-    return out
+    return _decode_groups(decoder, sizes, table)
 
 
 def shuffle_compress(raw: bytes, itemsize: int) -> bytes:
