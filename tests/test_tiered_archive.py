@@ -135,3 +135,20 @@ def test_quality_metrics_before_anything_is_archived():
     assert layer.tiers.tokens("archive") == 0 and layer.tiers.tokens("warm") > 0
     m = cache.quality_metrics()
     assert m["tiers"].get("archive", 0.0) == 0.0 and m["tiers"]["warm"] > 0 and m["proxy"] > 0
+
+
+def test_kvquant_archive_clips_only_where_clip_on_names_it():
+    """nuq groups take the clip search only under an explicit clip_on, never under "auto": the same stream gives the
+    same key scales under "auto" and "values" (keys unclipped in both), smaller value scales under "values", and
+    smaller key scales under "both"."""
+    k, v = _keys_values(512)
+    v[..., 5] += 6.0 * (torch.arange(512) % 61 == 0)  # rare large values stretch their tokens' ranges
+    arch = {}
+    for clip_on in ("auto", "values", "both"):
+        cache = TieredQuantCache(config=CFG, archive_quantizer="kvquant", archive_bits=3, clip_on=clip_on, **OPTS)
+        _stream(cache, k, v)
+        arch[clip_on] = cache.layers[0].tiers.archive
+    auto, values, both = arch["auto"], arch["values"], arch["both"]
+    assert torch.equal(values.keys.scale, auto.keys.scale)
+    assert (values.values.scale <= auto.values.scale).all() and (values.values.scale < auto.values.scale).any()
+    assert (both.keys.scale < auto.keys.scale).any()

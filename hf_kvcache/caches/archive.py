@@ -152,7 +152,9 @@ class KVQuantFormat(_PreRoPEFormat):
 
     def encode(self, keys, values):
         la = self.layer
-        clip = la.plan.clip_search
+        # the nuq clip search only where clip_on names the tensors: under "auto" it cost Gemma-3-270M (values
+        # clipped, outliers 0.005, no warm tier) +3.15 % against -0.41 % unclipped, at 4.31x
+        clip = la.plan.clip_search and la.plan.clip_on != "auto"
         return QuantTier(quantize_nuq(keys, self.codebooks[0], clip and la.clips("keys")),
                          quantize_nuq(values, self.codebooks[1], clip and la.clips("values")))
 

@@ -145,7 +145,8 @@ class TieredQuantOptions(CacheOptions):
       attention error of the layer's queries (with rotation "auto"; without queries, values only). Same bytes either
       way. Clipping every layer's keys took Qwen2.5-Coder-0.5B from +2.45 % to -0.43 % and SmolLM2 from +1.67 % to
       -0.10 % at 2048 tokens, but Gemma-3-270M from +0.98 % to +3.86 %: an MSE-optimal clip of keys cuts the large
-      entries that decide q.k
+      entries that decide q.k. A KVQuant archive clips its nuq groups only where clip_on names them explicitly
+      ("keys", "values", "both"), never under "auto"
     - tail_dtype: dtype of the unquantized tail and sinks: "auto" (16 bits: the model's dtype if it is fp16/bf16,
       else float16), None (the model's dtype), or a dtype name
     - sliding: options that sliding-window layers (e.g. Gemma-3's local layers) run with instead of the ones above,
