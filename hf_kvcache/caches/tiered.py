@@ -41,7 +41,7 @@ from ..rope import KeyRotation
 from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
 from ..kernels.segments import FullSegment, QuantSegment
 from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
-from ..calibrate.recipe import attend, relative_error
+from ..calibrate.recipe import choose_key_clipping
 from ..calibrate.quality import QualityTracker
 from ..calibrate.thresholds import AdaptiveThresholds
 from .base import CompressedCache, CompressedLayer, memory_stats
@@ -63,11 +63,6 @@ SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "a
 # no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values and keys clipped, no rotation
 SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "warm_bits": 3, "archive_bits": 3,
                    "rotation": "none", "clip_on": "both", "archive_quantizer": "kivi"}
-# clip_on="auto": clipping a layer's keys must lower its calibration attention error by this much. Gemma-3-270M's
-# full layers showed 13-15 % leads (0.207 -> 0.180, 0.171 -> 0.152) yet lost perplexity (+0.98 % -> +4.52 % at 2048
-# tokens): the extreme key entries a clip cuts are the ones later queries look up, which a few hundred calibration
-# positions do not show; on Qwen2.5 the leads reach 25-33 %
-KEY_CLIP_MARGIN = 0.2
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 
@@ -485,19 +480,18 @@ class TieredQuantLayer(CompressedLayer):
 
     def _choose_key_clipping(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`clip_on="auto"`: clip the key groups when that lowers the mean attention error of this layer's queries
-        over its KIVI tiers, under the chosen rotation, by more than `KEY_CLIP_MARGIN` (recorded in the recipe with
-        both errors)."""
+        over its KIVI tiers, under the chosen rotation, by more than `calibrate.recipe.KEY_CLIP_MARGIN` (recorded in
+        the recipe with both errors)."""
         if not self._clip_choice():
             return
-        exact = attend(queries, keys, values, self._calib_scaling)
-        errors = {}
-        for clip in (False, True):
-            self.recipe.clip_keys = clip
-            errors[clip] = sum(relative_error(exact, attend(queries, *self._roundtrip(keys, values, self.recipe.rotation,
-                                                                                        t), self._calib_scaling))
-                               for t in self._kivi_tiers()) / len(self._kivi_tiers())
-        self.recipe.clip_keys = errors[True] < (1.0 - KEY_CLIP_MARGIN) * errors[False]
-        self.recipe.errors.update({"keys-unclipped": errors[False], "keys-clipped": errors[True]})
+
+        def roundtrips(clip: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            self.recipe.clip_keys = clip  # what `clips("keys")` reads while quantizing
+            return [self._roundtrip(keys, values, self.recipe.rotation, t) for t in self._kivi_tiers()]
+
+        clip, errors = choose_key_clipping(queries, keys, values, self._calib_scaling, roundtrips)
+        self.recipe.clip_keys = clip
+        self.recipe.errors.update(errors)
 
     def _widen_archive(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`archive_error_target`: give this layer the narrowest KIVI archive width (archive_bits..warm_bits) whose
