@@ -25,7 +25,7 @@ import os
 from .bench import CacheSpec, parse_specs, run_benchmark
 from .pareto import Point, plot
 from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
-from .suites import SUITES, SuiteOptions, run_suite
+from .suites import MODE_HELP, MODES, SUITES, SuiteOptions, run_suite
 
 __all__ = ["add_arguments", "check_outputs", "compare_table", "main_args", "parse_specs", "points_of", "run_compare"]
 
@@ -104,9 +104,7 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     g.add_argument("--trials", type=int, default=20, help="trials per depth")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
-    g.add_argument("--mode", choices=["agnostic", "question"], default="agnostic",
-                   help="agnostic: the context compressed before the question is seen; question: context + question "
-                        "prefilled, then evicted to the budget (h2o, of the context) + the question, then decoded")
+    g.add_argument("--mode", choices=MODES, default="agnostic", help=MODE_HELP)
     g = p.add_argument_group("needle")
     g.add_argument("--heatmaps", default=None, help="write one heatmap PNG per cache into this folder")
     g = p.add_argument_group("shared-prefix")

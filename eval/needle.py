@@ -3,8 +3,8 @@
 The haystack is a window of a real book (Moby Dick by default, `load_text`), the needle the passkey sentence "The pass
 key is 12345. Remember it. 12345 is the pass key." with a random 5-digit key, put at a sentence end at `depth` of the
 filler (0 = right after the instruction, 1 = right before the question); the trials are those of
-`hf_kvcache.eval.suites.passkey.make_trials` at each length (`trials` per depth, own key and window each, seed `seed + length`)
-and each runs through `passkey.run_trial` in the given `mode` ("agnostic": the context compressed before the question;
+`hf_kvcache.eval.suites.passkey.make_trials` at each length (`trials` per depth, own key and window each, seed
+`seed + length`) and each runs through `passkey.run_trial` in the given `mode` ("agnostic": the context compressed before the question;
 "question": context + question prefilled, then evicted to the budget, question kept).
 
     rows = needle_grid(model, tokenizer, CacheSpec.parse('h2o:{"budget":0.2,"policy":"snapkv"}'),
@@ -23,7 +23,8 @@ import time
 from dataclasses import asdict
 
 from .bench import CacheSpec
-from .suites.passkey import MODES, PasskeyTrial, make_trials, run_trial
+from .suites import check_mode
+from .suites.passkey import PasskeyTrial, make_trials, run_trial
 
 
 def _check_grid(lengths: tuple[int, ...], depths: tuple[float, ...], trials: int) -> None:
@@ -90,8 +91,7 @@ def needle_grid(
     per-trial answers under `"results"` and the cell's `"seconds"`. `text`: the haystack (default Moby Dick)."""
     from .assets import load_text
 
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (query-agnostic or question-aware), got {mode!r}")
+    check_mode(mode)
     by_length = grid_trials(tokenizer, text if text is not None else load_text("moby-dick"), lengths, depths, trials,
                             seed)
     rows = []

@@ -185,6 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     _compare_arguments(p, _model_help())
     p.set_defaults(func=_cmd_compare)
 
+    from hf_kvcache.eval.suites import MODE_HELP, MODES
+
     p = sub.add_parser("passkey", help="passkey retrieval accuracy per depth (real filler text), per cache")
     p.add_argument("--model", default="smollm2-135m", help=_model_help())
     p.add_argument("--text", default="moby-dick", help="filler text: moby-dick, pydoc, a file, or path:config:split")
@@ -196,9 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
     p.add_argument("--chunk", type=int, default=0, help="prefill the context in chunks of this many tokens (0: one)")
-    p.add_argument("--mode", choices=["agnostic", "question"], default="agnostic",
-                   help="agnostic: the context compressed before the question is seen; question: context + question "
-                        "prefilled, then evicted to the budget (h2o, of the context) + the question, then decoded")
+    p.add_argument("--mode", choices=MODES, default="agnostic", help=MODE_HELP)
     p.add_argument("--json", default=None, help="also write the rows (with every answer) to this file")
     p.add_argument("--dump-trials", default=None, help="only write the trials (token ids) to this JSON file")
     p.set_defaults(func=_cmd_passkey)

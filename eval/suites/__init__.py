@@ -27,6 +27,17 @@ SUITES: dict[str, str] = {
 }
 
 
+# passkey / needle: how the cache meets the question (see `suites.passkey`)
+MODES = ("agnostic", "question")
+MODE_HELP = ("agnostic: the context compressed before the question is seen; question: context + question prefilled, "
+             "then evicted to the budget (h2o, of the context) + the question, then decoded")
+
+
+def check_mode(mode: str) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES} (query-agnostic or question-aware), got {mode!r}")
+
+
 @dataclass
 class SuiteOptions:
     """The parsed options of `hf-kvcache compare` (None: the suite's default)."""

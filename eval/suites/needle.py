@@ -32,14 +32,14 @@ def run(opts: SuiteOptions) -> list[Row]:
     text = load_text(opts.text)
     rows: list[Row] = []
     for spec in specs:
-        mode = opts.mode  # question-aware: h2o and dynamic only (run_trial says so for any other cache)
-        grid = needle_grid(model, tokenizer, spec, lengths, tuple(opts.depths), mode, opts.trials, text, opts.seed,
-                           opts.new_tokens)
+        # question-aware: h2o and dynamic only (run_trial says so for any other cache)
+        grid = needle_grid(model, tokenizer, spec, lengths, tuple(opts.depths), opts.mode, opts.trials, text,
+                           opts.seed, opts.new_tokens)
         if opts.heatmaps:
-            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{spec.label}_{mode}")
+            name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{spec.label}_{opts.mode}")
             plot_grid(grid, os.path.join(opts.heatmaps, f"{name}.png"))
         for cell in grid:
-            rows.append(make_row("needle", spec.label, opts.model, cell["length"], mode=mode, depth=cell["depth"],
+            rows.append(make_row("needle", spec.label, opts.model, cell["length"], mode=opts.mode, depth=cell["depth"],
                                  accuracy=cell["accuracy"], correct=cell["correct"], trials=cell["trials"],
                                  held=cell["held"], seconds=cell["seconds"], results=cell["results"]))
     return rows

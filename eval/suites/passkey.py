@@ -44,7 +44,7 @@ import torch
 from ..assets import load_model, load_text
 from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
-from . import SuiteOptions
+from . import SuiteOptions, check_mode
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -117,7 +117,7 @@ def first_number(answer: str) -> str | None:
     return m.group(0) if m else None
 
 
-MODES = ("agnostic", "question")
+
 
 
 def _held(cache) -> tuple[int, int]:
@@ -160,8 +160,7 @@ def run_trial(
     """One trial: `{"depth", "key", "answer", "correct", "held", "bytes"}` (see the module docstring for `mode`)."""
     from hf_kvcache.registry import attached
 
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (query-agnostic or question-aware), got {mode!r}")
+    check_mode(mode)
     if mode == "question":
         return _run_question_aware(model, tokenizer, spec, trial, new_tokens, chunk)
     cache = spec.build(model)
@@ -226,8 +225,7 @@ def run_passkey(
     """One row per spec: accuracy per depth, mean accuracy, seconds, and the per-trial answers (`loaded`: the
     (model, tokenizer) of `model_name` when the caller has loaded them already; `mode`: see the module docstring,
     the row's `mode` says which)."""
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES} (query-agnostic or question-aware), got {mode!r}")
+    check_mode(mode)
     torch.manual_seed(0)
     model, tokenizer = loaded or load_model(model_name)
     all_trials = make_trials(tokenizer, load_text(text), context_tokens, depths, trials, seed)
