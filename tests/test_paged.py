@@ -35,6 +35,14 @@ def read(c, layer=0):
     return c.layers[layer].materialize()
 
 
+def filled_cache():
+    """A cache holding 2 rows of 3 full pages + 2 tail tokens of random keys/values (seed 0)."""
+    torch.manual_seed(0)
+    c = cache()
+    c.update(torch.randn(2, H, 3 * P + 2, D), torch.randn(2, H, 3 * P + 2, D), 0)
+    return c
+
+
 # ---- the pool --------------------------------------------------------------------------------------------------------
 def test_pool_refcounts_free_list_and_slot_reuse():
     pool = new_pool()
@@ -140,10 +148,7 @@ def test_diverging_row_leaves_the_other_rows_kv_unchanged():
 
 
 def test_reorder_with_repeated_rows_shares_and_frees():
-    torch.manual_seed(0)
-    c = cache()
-    k, v = torch.randn(2, H, 3 * P + 2, D), torch.randn(2, H, 3 * P + 2, D)
-    c.update(k, v, 0)
+    c = filled_cache()
     before_k, before_v = read(c)
     c.reorder_cache(torch.tensor([1, 1]))  # beam search keeping only the second beam, twice
     after_k, after_v = read(c)
@@ -208,10 +213,7 @@ def test_select_and_repeat_without_sharing_copy_pages():
 
 
 def test_crop_into_full_pages_reopens_them():
-    torch.manual_seed(0)
-    c = cache()
-    k, v = torch.randn(2, H, 3 * P + 2, D), torch.randn(2, H, 3 * P + 2, D)
-    c.update(k, v, 0)
+    c = filled_cache()
     want_k, want_v = read(c)
     c.crop(-(P + 4))  # the 2 tail tokens and 10 of the paged ones: 2 pages reopened
     assert c.get_seq_length() == 2 * P - 2 and c.page_stats().pages == 1 * 2
