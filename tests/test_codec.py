@@ -15,6 +15,7 @@ import hf_kvcache  # noqa: F401  (registers the attention implementation)
 from hf_kvcache import codec
 from hf_kvcache.caches import CPACCache, H2OCache, KIVICache, TieredQuantCache, UniformQuantCache
 from hf_kvcache.codec.container import MAGIC
+from hf_kvcache.paged import PagedCache
 from hf_kvcache.codec.layers import set_dynamic_layer
 
 TOKENS = 300
@@ -97,6 +98,7 @@ LOSSY = {
     **LOSSLESS,
     "cpac": lambda cfg: CPACCache(config=cfg),
     "h2o-no-eviction": lambda cfg: H2OCache(config=cfg, budget=1.0),
+    "paged_quant": lambda cfg: PagedCache(config=cfg, page_size=64),
 }
 
 
@@ -360,3 +362,11 @@ def test_scale_referenced_zero_points_and_sign_split_high_bytes_round_trip():
     with pytest.raises(ValueError, match="without its reference"):
         lossless.decode_tensor(lossless.encode_tensor(zero, scale)[0], {"dtype": "float16", "shape": [1, 3, 500, 1],
                                                                          "enc": "hi-ref-ans"})
+
+
+@pytest.mark.parametrize("name", ["cpac", "h2o-no-eviction", "paged_quant"])
+def test_lossless_refuses_caches_it_cannot_rebuild_naming_lossy(tiny, name):
+    model, cfg, ids = tiny
+    cache = _fill(model, LOSSY[name](cfg), ids[:, :100], attn="hf_kvcache" if name in FUSED else "sdpa")
+    with pytest.raises(ValueError, match="lossless mode supports .*use mode='lossy'"):
+        codec.encode(cache, config=cfg, mode="lossless")
