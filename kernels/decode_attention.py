@@ -4,11 +4,12 @@
 Each segment yields an online-softmax partial (row max `m`, row sum `l`, unnormalized output `acc`); partials are merged
 with log-sum-exp, so every byte of the cache is read once. GQA: the query heads of one KV head (times the query
 positions) form the rows of one tile, so KV is never repeated. On CUDA quantized segments run in a Triton kernel
-(split along tokens, flash-decoding style); elsewhere the torch path of `kernels.blockwise` dequantizes at most
-`block` rows at a time into reusable scratch (extra memory O(block), not O(cached tokens)): without attention mass
-it packs the rows of all segments into one buffer and makes one flash call per block, with mass it goes segment by
-segment. Full-precision overlays (sinks) replace the positions under them. `reference_attention` is the
-dequantize-then-SDPA reference all paths are tested against.
+(split along tokens, flash-decoding style); elsewhere in the torch path of `kernels.from_codes`, which computes
+scores and outputs from the codes with the scales folded in, `block` tokens at a time in reusable scratch (extra memory
+O(block), not O(cached tokens)). Every full-precision piece (tail, new tokens, overlays) makes one more partial.
+Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
+and the overlay attends in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are
+tested against.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import math
 
 import torch
 
-from .blockwise import combine, dense_partial, finish, packed_attention, rows_mask, scratch, quant_mass_blockwise, quant_partial_blockwise
+from .blockwise import combine, dense_partial, finish, rows_mask, scratch
+from .from_codes import quant_mass_codes, quant_partial_codes
 from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
 
 NEG_INF = float("-inf")
@@ -64,7 +66,7 @@ def decode_attention(
     attention_mask: torch.Tensor | None = None,
     scaling: float | None = None,
     return_mass: bool = False,
-    block: int = 2048,
+    block: int | None = None,
     use_triton: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` [B, Hq, L, D] over `segments` (in key order).
@@ -73,6 +75,7 @@ def decode_attention(
     Quantized segments must precede the queries (they hold past tokens); full segments may hold the new ones.
     Returns (output [B, Hq, L, D] in the query dtype, mass [B, Hkv, T_total] or None): mass is the attention
     probability each key received, summed over the query heads of its KV group and the query positions.
+    `block`: tokens per block of the torch path (None: `from_codes.BLOCK_ELEMENTS` codes).
     """
     b, hq, q_len, d = query.shape
     segments, overlays = split_overlays(segments)
@@ -83,23 +86,13 @@ def decode_attention(
     total = sum(s.tokens for s in segments)
     if use_triton is None:
         use_triton = query.is_cuda
-    if not use_triton and not return_mass:  # one pass over rows packed in one basis, when the segments allow it
-        out = packed_attention(q, segments, overlays,
-                               lambda lo, hi: _column_mask(attention_mask, lo, hi, q_len, total, causal_tail=True),
-                               group, block)
-        if out is not None:
-            return ungroup_rows(out, hq, q_len).to(query.dtype), None
     partials, quant_spans, dense, start = [], [], [], 0
     rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
     pending = None  # (v_rotation, partial) of consecutive quantized segments sharing a value rotation
-    # the blockwise path writes an overlay lying inside quantized segments over their dequantized block (no mask);
-    # the Triton path masks the positions under an overlay and attends to the overlay as a full-precision piece
-    patched = [] if use_triton else [o for o in overlays if _inside_quantized(o, segments)]
-    masked = [o for o in overlays if not any(o is p for p in patched)]
     for seg in segments:
         stop = start + seg.tokens
         cmask = _column_mask(attention_mask, start, stop, q_len, total, causal_tail=isinstance(seg, FullSegment))
-        hidden = _overlaid_columns(masked, start, stop, query.device)
+        hidden = _overlaid_columns(overlays, start, stop, query.device)
         if isinstance(seg, QuantSegment):
             seg.check()
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
@@ -110,20 +103,19 @@ def decode_attention(
                 q_seg = rotated_q.get(id(seg.k_rotation))
                 if q_seg is None:
                     q_seg = rotated_q[id(seg.k_rotation)] = q @ seg.k_rotation.float()
-            patches = _patches(patched, seg, start, stop)
             if use_triton:
                 from .triton_decode import quant_partial_triton
 
                 part = quant_partial_triton(q_seg, seg, key_valid)
             else:
-                part = quant_partial_blockwise(q_seg, seg, key_valid, block, patches)
+                part = quant_partial_codes(q_seg, seg, key_valid, block)
             if pending is not None and pending[0] is seg.v_rotation:
                 pending = (seg.v_rotation, combine(pending[1], part))
             else:
                 if pending is not None:
                     partials.append(_unrotated(*pending))
                 pending = (seg.v_rotation, part)
-            quant_spans.append((seg, start, stop, key_valid, q_seg, patches))
+            quant_spans.append((seg, start, stop, key_valid, q_seg))
         else:
             if hidden is not None:
                 cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
@@ -131,7 +123,7 @@ def decode_attention(
         start = stop
     if pending is not None:
         partials.append(_unrotated(*pending))
-    for o in masked:
+    for o in overlays:
         dense.append((o, o.overlay_at, _column_mask(attention_mask, o.overlay_at, o.overlay_at + o.tokens, q_len,
                                                     total, causal_tail=False)))
     if dense:  # every full-precision piece (tail, new tokens, overlays) in one partial
@@ -141,44 +133,18 @@ def decode_attention(
     mass = None
     if return_mass:
         mass = q.new_zeros((b, kv_heads, total))
-        for seg, start, stop, key_valid, q_seg, patches in quant_spans:
+        for seg, start, stop, key_valid, q_seg in quant_spans:
             if use_triton:
                 from .triton_decode import quant_mass_triton
 
                 mass[..., start:stop] = quant_mass_triton(q_seg, seg, key_valid, lse)
             else:
-                mass[..., start:stop] = quant_mass_blockwise(q_seg, seg, key_valid, lse, block, patches)
+                mass[..., start:stop] = quant_mass_codes(q_seg, seg, key_valid, lse, block)
         if dense:
             p = _masked_scores(q, dk, row_mask).sub_(lse.unsqueeze(-1)).exp_().sum(2)
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
             mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
-
-
-def _inside_quantized(overlay: FullSegment, segments: list[Segment]) -> bool:
-    start = 0
-    lo, hi = overlay.overlay_at, overlay.overlay_at + overlay.tokens
-    for seg in segments:
-        stop = start + seg.tokens
-        if isinstance(seg, FullSegment) and start < hi and lo < stop:
-            return False
-        start = stop
-    return True
-
-
-def _patches(overlays: list[FullSegment], seg: QuantSegment, start: int, stop: int) -> list[tuple]:
-    """(offset in the segment, keys, values) of each overlay part over [start, stop), in the segment's stored basis
-    (times its rotations)."""
-    out = []
-    for o in overlays:
-        lo, hi = max(start, o.overlay_at), min(stop, o.overlay_at + o.tokens)
-        if lo < hi:
-            k = o.keys[:, :, lo - o.overlay_at : hi - o.overlay_at].float()
-            v = o.values[:, :, lo - o.overlay_at : hi - o.overlay_at].float()
-            k = k if seg.k_rotation is None else k @ seg.k_rotation.float()
-            v = v if seg.v_rotation is None else v @ seg.v_rotation.float()
-            out.append((lo - start, k, v))
-    return out
 
 
 def _unrotated(v_rotation: torch.Tensor | None, part):

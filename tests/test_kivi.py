@@ -86,6 +86,12 @@ def test_lane_unpack_equals_bit_unpack(bits, n):
     out, _ = unpack_lanes(packed, bits, n, out=buf[:, 2:7])
     assert out.data_ptr() == buf[:, 2:7].data_ptr() and torch.equal(out * factors, codes.float())
     assert (buf[:, :2] == -1).all() and (buf[:, 7:] == -1).all()
+    work = torch.full((packed.numel() * 8 + 8,), 0xAB, dtype=torch.uint8)  # stale bytes in a reused scratch
+    with_work, _ = unpack_lanes(packed, bits, n, work=work)
+    assert torch.equal(with_work * factors, codes.float())
+    if 8 % bits == 0 and bits < 8:
+        with pytest.raises(ValueError, match="1-D uint8 tensor of at least"):
+            unpack_lanes(packed, bits, n, work=work[: packed.numel()])
     with pytest.raises(ValueError, match="float32 tensor of shape"):
         unpack_lanes(packed, bits, n, out=torch.empty(3, 5, n, dtype=torch.float16))
 

@@ -89,12 +89,13 @@ def lane_factors(bits: int, n: int, device: torch.device) -> torch.Tensor:
     return f
 
 
-def unpack_lanes(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, bool]:
+def unpack_lanes(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | None = None,
+                 work: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
     """The first `n` codes along the last dim of `packed` `[..., packed_length(n)]` as float32 `[..., n]`, written
     into `out` when given (float32, that shape, last dim contiguous). The flag is True when channel `d` holds
     `code * 2**(bits * (d % (8 // bits)))`: the caller must still multiply by `lane_factors` (fold them into a
-    scale: no extra pass)."""
+    scale: no extra pass). `work`: a 1-D uint8 buffer of at least `packed.numel() * (8 // bits)` bytes for the wide
+    lanes (reused scratch instead of a fresh allocation per call)."""
     _check_bits(bits)
     lead, nbytes = packed.shape[:-1], packed.shape[-1]
     if out is not None and (out.shape != (*lead, n) or out.dtype != torch.float32 or out.stride(-1) != 1):
@@ -109,7 +110,13 @@ def unpack_lanes(packed: torch.Tensor, bits: int, n: int, out: torch.Tensor | No
         vals.copy_(packed)
     else:
         width = 8 * per
-        lanes = packed.to(_LANE_INT[per])
+        if work is None:
+            lanes = packed.to(_LANE_INT[per])
+        else:
+            if work.dtype != torch.uint8 or work.dim() != 1 or work.numel() < packed.numel() * per:
+                raise ValueError(f"work must be a 1-D uint8 tensor of at least {packed.numel() * per} bytes")
+            lanes = work[: packed.numel() * per].view(_LANE_INT[per]).view(packed.shape)
+            lanes.copy_(packed)
         lanes.mul_(_signed(sum(1 << (8 * i) for i in range(per)), width))
         lanes.bitwise_and_(_signed(sum(((1 << bits) - 1) << (bits * i) << (8 * i) for i in range(per)), width))
         vals.view(*lead, nbytes, per).copy_(lanes.view(torch.uint8).view(*lead, nbytes, per))

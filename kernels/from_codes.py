@@ -1,0 +1,118 @@
+"""Attention computed from a `QuantSegment`'s codes, its scales and zeros folded into the query and the probabilities
+(the CPU path of the fused decode attention).
+
+Keys are quantized per channel in groups of `k_group` tokens: k[t, d] = c[t, d] * s[g, d] + z[g, d], so
+
+    q . k[t] = (q * s[g]) . c[t] + q . z[g]
+
+and the scores of a group are one small matmul of its integer codes (as float) with the scaled query, plus one number
+per group and query row. Values are quantized per token in groups of `v_group` channels: v[t, d] = c[t, d] *
+s[t, j] + z[t, j] (j = d // v_group), so
+
+    sum_t p[t] v[t, d] = sum_t (p[t] s[t, j]) c[t, d] + sum_t p[t] z[t, j]
+
+is one matmul of the probabilities times the value scales with the codes, plus one matmul with the zeros. No
+dequantized key or value is ever written: per block the codes are unpacked once into float scratch (`unpack_lanes`,
+whose lane factors, exact powers of two, fold into the key scales and into the output channels), and every other pass
+is over `rows x tokens` or `groups x channels`, which are small next to `tokens x channels`. A block is `block`
+tokens (a multiple of the key group), so the scratch is O(block) whatever the cache length.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_kvcache.quant.packing import lane_factors, unpack_lanes
+
+from .blockwise import NEG_INF, combine, scratch
+from .segments import QuantSegment
+
+
+def _codes(packed: torch.Tensor, bits: int, dim: int, name: str) -> tuple[torch.Tensor, bool]:
+    """Float codes `[B, H, T, dim]` of `packed` in this thread's scratch `name`, and the lane-factor flag."""
+    b, h, t, _ = packed.shape
+    out = scratch(name, b * h * t * dim, torch.float32, packed.device).view(b, h, t, dim)
+    return unpack_lanes(packed, bits, dim, out, work=scratch("lanes", packed.numel() * 8 // bits, torch.uint8, packed.device))
+
+
+def block_scores(q: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
+    """Scores `[B, H, M, T]` of grouped, scaled queries `q` [B, H, M, D] (in the segment's key basis) against the
+    segment's keys, from their codes: one small matmul per key group with the query times the group's scales, plus
+    the query times the group's zeros."""
+    b, h, m, d = q.shape
+    codes, shifted = _codes(seg.k_codes, seg.k_bits, d, "codes_k")
+    scale = seg.k_scale.float()  # [B, H, G, D]
+    if shifted:
+        scale = scale * lane_factors(seg.k_bits, d, q.device)
+    qs = q.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, G, M, D]
+    bias = torch.matmul(seg.k_zero.float(), q.transpose(-1, -2))  # [B, H, G, M]
+    s = torch.baddbmm(bias.view(-1, m, 1), qs.view(-1, m, d), codes.view(-1, seg.k_group, d).transpose(1, 2))
+    return s.view(b, h, -1, m, seg.k_group).transpose(2, 3).reshape(b, h, m, seg.tokens)
+
+
+def block_values(p: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
+    """`p` [B, H, M, T] (unnormalized probabilities) times the segment's values, from their codes: [B, H, M, D]."""
+    b, h, m, t = p.shape
+    d, vg = seg.head_dim, seg.v_group
+    codes, shifted = _codes(seg.v_codes, seg.v_bits, d, "codes_v")
+    scale, zero = seg.v_scale.float().transpose(-1, -2), seg.v_zero.float()  # [B, H, J, T], [B, H, T, J]
+    if scale.shape[-2] == 1:  # one group per token: one matmul
+        out = torch.matmul(p * scale, codes)
+    else:
+        out = torch.empty(b, h, m, d, dtype=p.dtype, device=p.device)
+        for j in range(scale.shape[-2]):
+            cols = slice(j * vg, (j + 1) * vg)
+            torch.matmul(p * scale[..., j : j + 1, :], codes[..., cols], out=out[..., cols])
+    if shifted:
+        out.mul_(lane_factors(seg.v_bits, d, p.device))
+    return out.add_(torch.matmul(p, zero).repeat_interleave(vg, -1))
+
+
+# tokens per block: the two float32 code buffers together hold at most 2 x BLOCK_ELEMENTS x 4 bytes (16 MiB)
+BLOCK_ELEMENTS = 1 << 21
+
+
+def blocks(seg: QuantSegment, block: int | None):
+    """(start, stop) token ranges of at most `block` tokens (None: as many as fit `BLOCK_ELEMENTS` codes),
+    multiples of the key group."""
+    if block is None:
+        b, h = seg.k_codes.shape[:2]
+        block = BLOCK_ELEMENTS // (b * h * seg.head_dim)
+    step = max(seg.k_group, block - block % seg.k_group)
+    for start in range(0, seg.tokens, step):
+        stop = min(start + step, seg.tokens)
+        yield start, stop, seg if (start, stop) == (0, seg.tokens) else seg.slice(start, stop)
+
+
+def _masked(s: torch.Tensor, key_valid: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+    if key_valid is not None:
+        valid = key_valid[:, start:stop]
+        if not bool(valid.all()):
+            s.masked_fill_(~valid[:, None, None, :], NEG_INF)
+    return s
+
+
+def quant_partial_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, block: int | None = None):
+    """Softmax partial (row max, row sum, unnormalized output; see `blockwise.combine`) of grouped, scaled queries
+    `q` [B, H, M, D] (in the segment's key basis) over the segment, from its codes; the output is in the segment's
+    value basis. `key_valid` [B, T] (True = attend) or None."""
+    state = None
+    for start, stop, part in blocks(seg, block):
+        s = _masked(block_scores(q, part), key_valid, start, stop)
+        mx = s.amax(-1)
+        m_safe = torch.where(torch.isinf(mx), 0.0, mx)
+        p = s.sub_(m_safe.unsqueeze(-1)).exp_()
+        res = (mx, p.sum(-1), block_values(p, part))
+        state = res if state is None else combine(state, res)
+    return state
+
+
+def quant_mass_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, lse: torch.Tensor,
+                     block: int | None = None) -> torch.Tensor:
+    """Attention probability of each key of the segment (`lse` [B, H, M]: the rows' log-sum-exp over all keys),
+    summed over the rows: [B, H, T]."""
+    cols = []
+    for start, stop, part in blocks(seg, block):
+        s = _masked(block_scores(q, part), key_valid, start, stop)
+        cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
+    return torch.cat(cols, -1)
