@@ -68,16 +68,17 @@ def block_values(p: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
     return out.add_(torch.matmul(p, zero).repeat_interleave(vg, -1))
 
 
-# tokens per block: the two float32 code buffers together hold at most 2 x BLOCK_ELEMENTS x 4 bytes (16 MiB)
+# a block's largest float32 buffers (the unpacked codes [B, H, block, D], the scores and the scaled queries, both of
+# [B, H, block, M] elements for a key group of D tokens) hold at most BLOCK_ELEMENTS elements each (8 MiB)
 BLOCK_ELEMENTS = 1 << 21
 
 
-def blocks(seg: QuantSegment, block: int | None):
-    """(start, stop) token ranges of at most `block` tokens (None: as many as fit `BLOCK_ELEMENTS` codes),
-    multiples of the key group."""
+def blocks(seg: QuantSegment, rows: int, block: int | None):
+    """(start, stop, the segment's slice) of at most `block` tokens each (None: as many as keep every buffer within
+    `BLOCK_ELEMENTS` for `rows` query rows), multiples of the key group."""
     if block is None:
         b, h = seg.k_codes.shape[:2]
-        block = BLOCK_ELEMENTS // (b * h * seg.head_dim)
+        block = BLOCK_ELEMENTS // (b * h * max(seg.head_dim, rows * max(1, seg.head_dim // seg.k_group)))
     step = max(seg.k_group, block - block % seg.k_group)
     for start in range(0, seg.tokens, step):
         stop = min(start + step, seg.tokens)
@@ -97,7 +98,7 @@ def quant_partial_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Ten
     `q` [B, H, M, D] (in the segment's key basis) over the segment, from its codes; the output is in the segment's
     value basis. `key_valid` [B, T] (True = attend) or None."""
     state = None
-    for start, stop, part in blocks(seg, block):
+    for start, stop, part in blocks(seg, q.shape[2], block):
         s = _masked(block_scores(q, part), key_valid, start, stop)
         mx = s.amax(-1)
         m_safe = torch.where(torch.isinf(mx), 0.0, mx)
@@ -112,7 +113,7 @@ def quant_mass_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor
     """Attention probability of each key of the segment (`lse` [B, H, M]: the rows' log-sum-exp over all keys),
     summed over the rows: [B, H, T]."""
     cols = []
-    for start, stop, part in blocks(seg, block):
+    for start, stop, part in blocks(seg, q.shape[2], block):
         s = _masked(block_scores(q, part), key_valid, start, stop)
         cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
     return torch.cat(cols, -1)
