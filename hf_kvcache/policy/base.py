@@ -6,16 +6,23 @@ padding to the bottom (`-inf`), so padding is always evicted first and never cou
 by giving it `+inf` (sinks, the recent window); rank the rest by attention score or by position.
 
 What a policy can read (`SlotView`): the accumulated attention mass (`scores`, for policies with `uses_mass`), the
-positions and padding flags, the held keys (query-agnostic scores such as the key norm), and `window`: the attention
-each of the last `query_window()` queries gives each held slot, recomputed by the layer from the queries the
-`"hf_kvcache"` attention reports (`window_attention`), so it covers the queries of several decoding steps too.
+positions and padding flags, the held keys (query-agnostic scores such as the key norm) and values, and `window`:
+the attention each of the last `query_window()` queries gives each held slot, recomputed by the layer from the
+queries the `"hf_kvcache"` attention reports (`window_attention`), so it covers the queries of several decoding steps
+too. A policy with `uses_queries` reads those queries themselves instead (`queries`, their positions and padding
+flags, the attention `scaling`, and the model's RoPE `rope` when it `needs_rope`): the expected-attention policy
+models the upcoming queries from them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..rope import KeyRotation
 
 INF = float("inf")
 
@@ -33,6 +40,13 @@ class SlotView:
     window: torch.Tensor | None = None  # [batch, kv_heads, W, slots] float32: attention of each of the last W
     # queries (oldest first, summed over the query heads of the group); 0 where the query could not see the slot
     # (a newer token), and rows of 0 for queries not seen yet or padding queries
+    values: torch.Tensor | None = None  # [batch, kv_heads, slots, value_dim] held values; None unless `uses_values`
+    queries: torch.Tensor | None = None  # [batch, heads, W, head_dim] the last W queries (post-RoPE, oldest first);
+    # None unless `uses_queries`
+    query_positions: torch.Tensor | None = None  # [W] int: their positions
+    query_valid: torch.Tensor | None = None  # [batch, W] bool: False for padding queries
+    scaling: float = 1.0  # the attention's logit scaling (1 / sqrt(head_dim) by default)
+    rope: "KeyRotation | None" = None  # the model's RoPE, for policies that `needs_rope`
 
     def rank(self) -> torch.Tensor:
         """0 for the oldest real token of each row/head, 1 for the next... (meaningless on padding slots)."""
@@ -64,6 +78,8 @@ class EvictionPolicy:
     needs_scores = False  # ranks a "heavy" part of the budget by a score (heavy_length / heavy_ratio apply)
     uses_mass = False  # reads the accumulated attention mass (`view.scores`); the layer stores it only then
     uses_keys = False  # reads the held keys (`view.keys`)
+    uses_values = False  # reads the held values (`view.values`)
+    uses_queries = False  # reads the last `query_window()` queries themselves (`view.queries`), not their attention
     uses_sinks = False
     default_recent_share = 1.0
 
@@ -106,6 +122,10 @@ class EvictionPolicy:
     def query_window(self) -> int:
         """Recent queries whose attention this policy reads (`view.window`); 0 = none (the default)."""
         return 0
+
+    def needs_rope(self) -> bool:
+        """Whether `priority` reads `view.rope` (the cache then needs the model config for it)."""
+        return False
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         """`[batch, kv_heads, slots]`: higher = keep. The one method a policy overrides."""
