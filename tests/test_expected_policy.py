@@ -58,12 +58,19 @@ def test_the_covariance_term_favours_keys_along_the_spread_of_the_queries():
 
 
 def test_value_norm_weights_equal_attention():
-    keys = torch.stack([E[0], E[0]])
-    values = torch.stack([E[1], 3 * E[1]])
+    keys = torch.stack([E[0], E[0], E[0]])
+    values = torch.stack([2 * E[1], 3 * E[1], E[1]])
     queries = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(1))
-    assert order(policy(value_norm=True), view(keys, queries, values)) == [1, 0]
-    p = policy(value_norm=False).priority(view(keys, queries, values), 1)[0, 0]
-    torch.testing.assert_close(p[0], p[1])
+    v = view(keys, queries, values)
+    p = policy(value_norm=False).priority(v, 1)[0, 0]
+    torch.testing.assert_close(p, p[:1].expand(3))  # equal attention
+    assert policy(value_norm=True).select(v, 1).tolist() == [[[1]]]
+    assert policy(value_norm=True, sink_length=1).select(v, 2).tolist() == [[[0, 1]]]  # the sink stays protected
+    torch.testing.assert_close(policy(value_norm=True)._ranked(v, 1, 0)[0, 0], p * torch.tensor([2.0, 3.0, 1.0]))
+    # the same weighting for the other attention policies: tova's newest-query attention times the value norm
+    tova = POLICIES["tova"](value_norm=True)
+    tv = SlotView(None, v.positions, v.valid, seen=3, values=v.values, window=torch.full((1, 1, 1, 3), 0.5))
+    assert tova.select(tv, 1).tolist() == [[[1]]]
 
 
 def test_sinks_are_kept_and_padding_neither_scores_nor_counts():
@@ -100,7 +107,8 @@ def test_queries_are_moved_by_rope_to_the_upcoming_positions():
     "options,match",
     [
         (dict(policy="tova", future=8), "future applies to the expected policy"),
-        (dict(policy="snapkv", value_norm=False), "value_norm applies to the expected policy"),
+        (dict(policy="knorm", value_norm=True), "value_norm applies to the h2o / tova / snapkv / hybrid / expected "
+                                                "policies, not 'knorm'"),
         (dict(policy="expected", future=-1), "future must be a non-negative integer"),
         (dict(policy="expected", value_norm="yes"), "value_norm must be True or False"),
         (dict(policy="expected", pool=3), "pool applies to the snapkv policy"),

@@ -167,7 +167,7 @@ def test_h2o_decay_fades_old_mass():
         (dict(budget=1), r"budget=1 keeps a single token; for all tokens use budget=1\.0"),
         (dict(policy="tova", decay=0.9), "decay applies to the policies that accumulate attention mass"),
         (dict(decay=1.5), r"decay must be a number in \(0, 1\]"),
-        (dict(policy="tova", window=4), "window applies to the snapkv / expected policy"),
+        (dict(policy="tova", window=4), "window applies to the snapkv / expected policies"),
         (dict(policy="snapkv", pool=4), "pool must be odd"),
         (dict(policy="snapkv", window=0), "window must be a positive integer"),
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),

@@ -84,7 +84,8 @@ MISSING_MASS = (
 
 QUANT_BITS = (None, 8, 4, 2)
 WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
-POLICY_OPTIONS = {"pool": ("snapkv",), "future": ("expected",), "value_norm": ("expected",)}  # policy-specific
+VALUE_NORM_POLICIES = tuple(n for n, p in POLICIES.items() if p.ranks_by_attention)
+POLICY_OPTIONS = {"pool": ("snapkv",), "future": ("expected",), "value_norm": VALUE_NORM_POLICIES}  # policy-specific
 
 
 @dataclass
@@ -101,7 +102,8 @@ class H2OOptions(CacheOptions):
     fades by that factor per query (None = plain sum). `window`: snapkv's observation window, expected's recent
     queries, in queries (default 32). `pool`: snapkv's pooling width over neighbouring slots (odd; default 1 = none).
     `future` (expected): the modelled queries are moved by RoPE to the next `future` positions (default 512; 0 keeps
-    them where they are and needs no config); `value_norm` (expected, default True): weight by the value norm.
+    them where they are and needs no config). `value_norm` (h2o, hybrid, tova, snapkv, expected; default True for
+    expected, False for the others): multiply each token's score by the norm of its value.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
     head), so `memory_stats()` shows the real bytes.
@@ -188,7 +190,8 @@ class H2OOptions(CacheOptions):
             if v is None:
                 continue
             if self.policy not in users:
-                raise ValueError(f"{name} applies to the {' / '.join(users)} policy, not {self.policy!r}")
+                noun = "policy" if len(users) == 1 else "policies"
+                raise ValueError(f"{name} applies to the {' / '.join(users)} {noun}, not {self.policy!r}")
             if name == "future":
                 check_int(name, v, lo=0, hint=" (upcoming positions; 0 = no RoPE shift)")
             elif name == "value_norm":
@@ -546,7 +549,7 @@ class H2OLayer(CompressedLayer):
             )
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
         view = SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, rope=self.rope)
-        if self.policy.uses_values:
+        if self.policy.uses_values or self.policy.value_norm:
             view.values = self._plain(s.values)
         if uses_window:
             r = self.ring.last(self.window)

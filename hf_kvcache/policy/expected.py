@@ -7,7 +7,8 @@ covariance `Sigma` per query head describe the next query `q` as a Gaussian. The
 is then normal with mean `mu.k / sqrt(d)` and variance `k^T Sigma k / d`, so `exp(logit)` has the expectation
 `exp(mu.k / sqrt(d) + k^T Sigma k / (2 d))`. Normalized over the held keys (a softmax of these expected logits per
 query head) and summed over the query heads of the KV group, it is the attention a key is expected to receive; with
-`value_norm` it is multiplied by the norm of the key's value (the size of what it adds to the output). The idea is
+`value_norm` (on by default here) it is multiplied by the norm of the key's value (`EvictionPolicy._ranked`: the
+size of what it adds to the output). The idea is
 Expected Attention (Devoto et al. 2025, NVIDIA kvpress's ExpectedAttentionPress); this is our own implementation.
 
 With `W` recent queries `Sigma` has rank below `W`, so `k^T Sigma k` is the mean of `((q_i - mu) . k)^2` over them:
@@ -22,7 +23,6 @@ import torch
 from .base import INF, EvictionPolicy, SlotView
 
 DEFAULT_FUTURE = 512  # upcoming positions the modelled queries are spread over (kvpress's n_future_positions)
-DEFAULT_VALUE_NORM = True
 
 
 class ExpectedAttentionPolicy(EvictionPolicy):
@@ -31,13 +31,13 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     uses_keys = True
     uses_queries = True
     uses_sinks = True
+    ranks_by_attention = True
     default_recent_share = 0.0
+    default_value_norm = True
 
-    def __init__(self, *args, future: int = DEFAULT_FUTURE, value_norm: bool = DEFAULT_VALUE_NORM, **kwargs) -> None:
+    def __init__(self, *args, future: int = DEFAULT_FUTURE, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.future = future
-        self.value_norm = value_norm
-        self.uses_values = value_norm
 
     def query_window(self) -> int:
         return self.window
@@ -52,8 +52,6 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             view.rope if self.future > 0 else None, skip_before=self.sink_length,
         )
         score = expected_attention(mean, spread, view.keys, view.valid, view.scaling)
-        if self.value_norm:
-            score = score * view.values.float().norm(dim=-1)
         return score.masked_fill(view.first(sinks) | view.last(recent), INF)
 
     def __repr__(self) -> str:
