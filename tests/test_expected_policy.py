@@ -103,6 +103,20 @@ def test_queries_are_moved_by_rope_to_the_upcoming_positions():
     torch.testing.assert_close(mean[0, :, 0], ref, atol=1e-5, rtol=0)
 
 
+def test_mass_share_blends_in_the_attention_received():
+    """Slot 1 is expected (the queries point at it), slot 2 received the most attention so far: the blend of the two
+    shares (each normalized over the evictable slots) decides; the sink's mass is left out of the normalization."""
+    keys = torch.stack([E[3], 3 * E[0], 3 * E[1], E[2]])
+    queries = (2 * E[0]).expand(2, 4, D).clone()
+    v = view(keys, queries)
+    v.scores = torch.tensor([[[100.0, 0.1, 3.0, 0.1]]])
+    assert policy(sink_length=1).select(v, 2).tolist() == [[[0, 1]]]
+    assert policy(sink_length=1, mass_share=0.9).select(v, 2).tolist() == [[[0, 2]]]
+    blended = policy(sink_length=1, mass_share=0.5).priority(v, 2)[0, 0]
+    assert blended[0] == float("inf") and torch.isclose(blended[1:].sum(), torch.tensor(1.0))
+    assert POLICIES["expected"](mass_share=0.2).uses_mass and not POLICIES["expected"]().uses_mass
+
+
 @pytest.mark.parametrize(
     "options,match",
     [
@@ -112,6 +126,8 @@ def test_queries_are_moved_by_rope_to_the_upcoming_positions():
         (dict(policy="expected", future=-1), "future must be a non-negative integer"),
         (dict(policy="expected", value_norm="yes"), "value_norm must be True or False"),
         (dict(policy="expected", pool=3), "pool applies to the snapkv policy"),
+        (dict(policy="expected", mass_share=1.0), r"mass_share must be a number in \[0, 1\)"),
+        (dict(policy="tova", mass_share=0.2), "mass_share applies to the expected policy"),
     ],
 )
 def test_bad_options(options, match):

@@ -242,9 +242,9 @@ def tiny_model():
     [
         dict(policy="tova"), dict(policy="snapkv", window=8, pool=3), dict(policy="knorm"),
         dict(policy="h2o", decay=0.9), dict(policy="tova", quant_bits=4, quant_group_size=8),
-        dict(policy="expected", window=8),
+        dict(policy="expected", window=8), dict(policy="expected", window=8, mass_share=0.3),
     ],
-    ids=["tova", "snapkv", "knorm", "h2o-decay", "tova-int4", "expected"],
+    ids=["tova", "snapkv", "knorm", "h2o-decay", "tova-int4", "expected", "expected-mass"],
 )
 def test_padded_batch_prefill_then_decode_equals_dense_over_kept(tiny_model, options):
     """Left-padded batch: after a prefill and after every decode step (each evicting one token), the next step

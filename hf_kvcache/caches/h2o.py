@@ -85,7 +85,9 @@ MISSING_MASS = (
 QUANT_BITS = (None, 8, 4, 2)
 WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
 VALUE_NORM_POLICIES = tuple(n for n, p in POLICIES.items() if p.ranks_by_attention)
-POLICY_OPTIONS = {"pool": ("snapkv",), "future": ("expected",), "value_norm": VALUE_NORM_POLICIES}  # policy-specific
+POLICY_OPTIONS = {  # policy-specific options: the policies they apply to
+    "pool": ("snapkv",), "future": ("expected",), "mass_share": ("expected",), "value_norm": VALUE_NORM_POLICIES,
+}
 
 
 @dataclass
@@ -102,7 +104,8 @@ class H2OOptions(CacheOptions):
     fades by that factor per query (None = plain sum). `window`: snapkv's observation window, expected's recent
     queries, in queries (default 32). `pool`: snapkv's pooling width over neighbouring slots (odd; default 1 = none).
     `future` (expected): the modelled queries are moved by RoPE to the next `future` positions (default 512; 0 keeps
-    them where they are and needs no config). `value_norm` (h2o, hybrid, tova, snapkv, expected; default True for
+    them where they are and needs no config); `mass_share` (expected, in [0, 1), default 0): the share of the
+    priority taken from the attention mass the tokens received (h2o's score). `value_norm` (h2o, hybrid, tova, snapkv, expected; default True for
     expected, False for the others): multiply each token's score by the norm of its value.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
@@ -132,6 +135,7 @@ class H2OOptions(CacheOptions):
     window: int | None = None
     pool: int | None = None
     future: int | None = None
+    mass_share: float | None = None
     value_norm: bool | None = None
     quant_bits: int | None = None
     quant_group_size: int | None = None
@@ -194,6 +198,8 @@ class H2OOptions(CacheOptions):
                 raise ValueError(f"{name} applies to the {' / '.join(users)} {noun}, not {self.policy!r}")
             if name == "future":
                 check_int(name, v, lo=0, hint=" (upcoming positions; 0 = no RoPE shift)")
+            elif name == "mass_share":
+                check_number(name, v, 0.0, 1.0, hi_open=True, hint=" (the share of the received attention mass)")
             elif name == "value_norm":
                 if not isinstance(v, bool):
                     raise ValueError(f"value_norm must be True or False, got {v!r}")

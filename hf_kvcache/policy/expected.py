@@ -14,6 +14,10 @@ Expected Attention (Devoto et al. 2025, NVIDIA kvpress's ExpectedAttentionPress)
 With `W` recent queries `Sigma` has rank below `W`, so `k^T Sigma k` is the mean of `((q_i - mu) . k)^2` over them:
 one window of logits (what snapkv computes), never a `[head_dim, head_dim]` matrix. The first `sink_length` tokens
 (attention sinks) are always kept; no recent window by default (`recent_length` / `recent_ratio` add one).
+
+`mass_share` s in [0, 1) blends in the attention the held tokens actually received (h2o's accumulated mass): the
+priority is `(1 - s) E + s M`, E and M each normalized to sum 1 over the slots a row's head may evict (the sinks and
+recent window left out, whose mass would swamp the rest). Off by default; the README reports what it gave.
 """
 
 from __future__ import annotations
@@ -35,9 +39,12 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     default_recent_share = 0.0
     default_value_norm = True
 
-    def __init__(self, *args, future: int = DEFAULT_FUTURE, **kwargs) -> None:
+    def __init__(self, *args, future: int = DEFAULT_FUTURE, mass_share: float = 0.0, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.future = future
+        self.mass_share = mass_share
+        if mass_share > 0:
+            self.uses_mass = True  # the layer accumulates the attention mass (`view.scores`) for this instance
 
     def query_window(self) -> int:
         return self.window
@@ -52,10 +59,21 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             view.rope if self.future > 0 else None, skip_before=self.sink_length,
         )
         score = expected_attention(mean, spread, view.keys, view.valid, view.scaling)
-        return score.masked_fill(view.first(sinks) | view.last(recent), INF)
+        protected = view.first(sinks) | view.last(recent)
+        if self.mass_share > 0:
+            free = view.valid & ~protected
+            score = (1 - self.mass_share) * _share(score, free) + self.mass_share * _share(view.scores, free)
+        return score.masked_fill(protected, INF)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(window={self.window}, future={self.future}, value_norm={self.value_norm})"
+        return (f"{type(self).__name__}(window={self.window}, future={self.future}, value_norm={self.value_norm}, "
+                f"mass_share={self.mass_share})")
+
+
+def _share(score: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
+    """`score [batch, kv_heads, slots]` over the `free` slots as fractions of their sum per row and head (0 elsewhere)."""
+    score = score.float().masked_fill(~free, 0.0)
+    return score / score.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 def query_statistics(
