@@ -105,8 +105,9 @@ class H2OOptions(CacheOptions):
     queries, in queries (default 32). `pool`: snapkv's pooling width over neighbouring slots (odd; default 1 = none).
     `future` (expected): the modelled queries are moved by RoPE to the next `future` positions (default 512; 0 keeps
     them where they are and needs no config); `mass_share` (expected, in [0, 1), default 0): the share of the
-    priority taken from the attention mass the tokens received (h2o's score). `value_norm` (h2o, hybrid, tova, snapkv, expected; default True for
-    expected, False for the others): multiply each token's score by the norm of its value.
+    priority taken from the attention mass the tokens received (h2o's score). `value_norm` (h2o, hybrid, tova,
+    snapkv, expected; default True for expected, False for the others): multiply each token's score by the norm of
+    its value.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
     head), so `memory_stats()` shows the real bytes.
@@ -555,7 +556,7 @@ class H2OLayer(CompressedLayer):
             )
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
         view = SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, rope=self.rope)
-        if self.policy.uses_values or self.policy.value_norm:
+        if self.policy.uses_values:
             view.values = self._plain(s.values)
         if uses_window:
             r = self.ring.last(self.window)
@@ -694,8 +695,8 @@ class H2OLayer(CompressedLayer):
                 f"H2OCache cannot crop {n} token(s) with quant_bits={self.options.quant_bits} and policy="
                 f"{self.options.policy!r}: its scores hold the attention mass the cropped queries gave, which can be "
                 "recomputed only from the keys those queries saw, now stored quantized. Use quant_bits=None, a "
-                "policy that keeps no mass (tova, snapkv, knorm, recent, sinks, strided) or budget=1.0 (nothing "
-                "evicted: the scores never matter)"
+                "policy that keeps no mass (tova, snapkv, expected, knorm, recent, sinks, strided) or budget=1.0 "
+                "(nothing evicted: the scores never matter)"
             )
         elif ring is None or not ring.covers(start, seen):
             problem = (

@@ -71,7 +71,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
 
 def _share(score: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
-    """`score [batch, kv_heads, slots]` over the `free` slots as fractions of their sum per row and head (0 elsewhere)."""
+    """`score [batch, kv_heads, slots]` on the `free` slots as fractions of their sum per row and head (0 elsewhere)."""
     score = score.float().masked_fill(~free, 0.0)
     return score / score.sum(-1, keepdim=True).clamp_min(torch.finfo(torch.float32).tiny)
 
