@@ -141,7 +141,7 @@ def test_moving_queries_by_rope_needs_the_config():
     H2OCache(budget=0.5, policy="expected", future=0)  # no RoPE, no config needed
 
 
-# ---- through a tiny random Llama --------------------------------------------------------------------------------------
+# ---- through a tiny random Llama ------------------------------------------------------------------------------------
 B, H, G = 2, 2, 2
 
 
