@@ -3,7 +3,8 @@
 Keys reach a cache after RoPE: the key of position t is R(t) k_t. Two runs of the same content at different
 positions differ by a rotation, which neither page features nor a token-wise delta can see through. `KeyRotation`
 undoes it (R(-t)) so that they can be computed on position-free keys (CPAC's `key_space="derotated"`), and redoes
-it on decompression; it is exact up to float rounding (R is orthogonal).
+it on decompression; it is exact up to float rounding (R is orthogonal). `mean_rotate` moves post-RoPE vectors to
+other positions, averaged over several (the expected-attention policy's upcoming queries).
 """
 
 from __future__ import annotations
@@ -81,3 +82,14 @@ class KeyRotation:
         cos, sin = self._cos_sin(start, x.shape[-2], x.device)
         x = x.float()
         return (x * cos - rotate_half(x) * sin) / self.scaling
+
+    def mean_rotate(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """`x [..., T, D]` moved by RoPE by each of `offsets [T, F]` positions (its own row for each of the T
+        vectors) and averaged over the F offsets: mean_f R(offsets[t, f]) x_t, fp32. A pure rotation (no
+        `attention_scaling`: x already carries it), so R(a) R(b) = R(a + b) and a vector at position p moved by
+        `t - p` sits at position t."""
+        angles = offsets.to(x.device, torch.float32)[..., None] * self.inv_freq.to(x.device)  # [T, F, D/2]
+        cos, sin = angles.cos().mean(-2), angles.sin().mean(-2)  # [T, D/2]
+        cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
+        x = x.float()
+        return x * cos + rotate_half(x) * sin

@@ -51,7 +51,7 @@ def kept_positions(cache, layer=0):
         (dict(recent_ratio=0.5, heavy_ratio=0.5), "give at most one of"),
         (dict(policy="recent", recent_length=8), "keeps the most recent tokens"),
         (dict(policy="strided", heavy_ratio=0.5), "applies to the policies that rank tokens by a score"),
-        (dict(policy="h2o", sink_length=4), "sink_length applies to the sinks and hybrid"),
+        (dict(policy="h2o", sink_length=4), "sink_length applies to the policies that keep sinks"),
         (dict(recent_ratio=2.0), r"recent_ratio must be a number in \[0, 1\]"),
         (dict(bogus=1), r"unknown option\(s\) \['bogus'\]"),
     ],
@@ -132,7 +132,7 @@ def test_policies(policy, options, expected):
 
 
 def test_all_policies_registered_and_overridable():
-    assert set(POLICIES) == {"h2o", "tova", "snapkv", "knorm", "recent", "sinks", "strided", "hybrid"}
+    assert set(POLICIES) == {"h2o", "tova", "snapkv", "expected", "knorm", "recent", "sinks", "strided", "hybrid"}
 
     class Odd(POLICIES["recent"]):
         def priority(self, view: SlotView, budget: int):

@@ -167,12 +167,12 @@ def test_h2o_decay_fades_old_mass():
         (dict(budget=1), r"budget=1 keeps a single token; for all tokens use budget=1\.0"),
         (dict(policy="tova", decay=0.9), "decay applies to the policies that accumulate attention mass"),
         (dict(decay=1.5), r"decay must be a number in \(0, 1\]"),
-        (dict(policy="tova", window=4), "window applies to the snapkv policy"),
+        (dict(policy="tova", window=4), "window applies to the snapkv / expected policies"),
         (dict(policy="snapkv", pool=4), "pool must be odd"),
         (dict(policy="snapkv", window=0), "window must be a positive integer"),
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
         (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
-        (dict(policy="knorm", sink_length=2), "sink_length applies to the sinks and hybrid"),
+        (dict(policy="knorm", sink_length=2), r"sink_length applies to the policies that keep sinks \(sinks, hybrid, expected\)"),
         (dict(budget=100, min_budget=10), "min_budget applies to a ratio budget"),
         (dict(min_budget=0), "min_budget must be a positive integer"),
         (dict(policy="knorm", head_budgets=True), "head_budgets shares a layer's budget across its heads"),
@@ -242,8 +242,9 @@ def tiny_model():
     [
         dict(policy="tova"), dict(policy="snapkv", window=8, pool=3), dict(policy="knorm"),
         dict(policy="h2o", decay=0.9), dict(policy="tova", quant_bits=4, quant_group_size=8),
+        dict(policy="expected", window=8), dict(policy="expected", window=8, mass_share=0.3),
     ],
-    ids=["tova", "snapkv", "knorm", "h2o-decay", "tova-int4"],
+    ids=["tova", "snapkv", "knorm", "h2o-decay", "tova-int4", "expected", "expected-mass"],
 )
 def test_padded_batch_prefill_then_decode_equals_dense_over_kept(tiny_model, options):
     """Left-padded batch: after a prefill and after every decode step (each evicting one token), the next step

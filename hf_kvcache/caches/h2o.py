@@ -1,5 +1,5 @@
-"""`H2OCache`: token eviction -- heavy hitters (H2O), TOVA, SnapKV, key norm, recency, attention sinks, strides, or a
-hybrid -- optionally storing the kept tokens quantized.
+"""`H2OCache`: token eviction -- heavy hitters (H2O), TOVA, SnapKV, expected attention, key norm, recency, attention
+sinks, strides, or a hybrid -- optionally storing the kept tokens quantized.
 
     cache = H2OCache(config=model.config, budget=0.2, policy="snapkv")      # keep 20 % of the tokens seen
     model.generate(ids, cache_implementation="h2o", cache_config={"budget": 256, "policy": "tova", "quant_bits": 4})
@@ -10,10 +10,11 @@ head_dim, per-token fp16 scale / zero `[.., groups]`); `scores` (float32 attenti
 policies that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Read them with
 `held_positions()`, `held_valid()`, `held_scores()`, `held_keys_values()` (rectangular also while compact). Each KV head keeps its
 own tokens, the same count for every head and row so the tensors stay rectangular; within a head the kept slots stay
-in order of position. Window policies (tova, snapkv) also hold the queries of the last `window` positions (`queries
-[batch, heads, W, head_dim]` in 16 bits, their positions and padding flags): from them the layer recomputes, at each
-eviction, the attention those queries give the held tokens (`policy.base.window_attention`), over one forward or
-several decoding steps alike. Every tensor counts in `memory_stats()`.
+in order of position. Window policies (tova, snapkv, expected) also hold the queries of the last `window` positions
+(`queries [batch, heads, W, head_dim]` in 16 bits, their positions and padding flags): from them the layer recomputes,
+at each eviction, the attention those queries give the held tokens (`policy.base.window_attention`), over one forward
+or several decoding steps alike; expected reads the queries themselves (it models the next ones from them, moved by
+the model's RoPE, which the cache builds from `config`). Every tensor counts in `memory_stats()`.
 
 Data flow of one forward: `update` appends the new tokens (quantized when `quant_bits` is set; attention then sees the
 held tokens dequantized and the new ones exact) and returns everything held; the `"hf_kvcache"` attention reports the
@@ -66,6 +67,7 @@ from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention
 from ..policy.ring import QueryRing
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
+from ..rope import KeyRotation
 from .base import FP16_BYTES, CompressedCache, CompressedLayer
 
 DEFAULT_SINK_LENGTH = 4
@@ -81,7 +83,11 @@ MISSING_MASS = (
 
 
 QUANT_BITS = (None, 8, 4, 2)
-WINDOW_POLICIES = ("snapkv",)  # policies whose observation window `window` sets
+WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
+VALUE_NORM_POLICIES = tuple(n for n, p in POLICIES.items() if p.ranks_by_attention)
+POLICY_OPTIONS = {  # policy-specific options: the policies they apply to
+    "pool": ("snapkv",), "future": ("expected",), "mass_share": ("expected",), "value_norm": VALUE_NORM_POLICIES,
+}
 
 
 @dataclass
@@ -89,13 +95,19 @@ class H2OOptions(CacheOptions):
     """`budget`: tokens kept per KV head -- an int >= 2 (that many) or a float in (0, 1] (that fraction of the tokens
     seen, rounded up; 1.0 keeps everything). `policy`: h2o (heavy hitters by accumulated attention + recent window),
     tova (attention of the newest query), snapkv (attention of the last `window` queries + that window),
-    knorm (lowest key norm, no attention needed), recent (sliding window / LRU), sinks (first tokens + recent),
-    strided (recent + evenly strided older tokens), hybrid (sinks + heavy hitters + recent).
+    expected (the attention the next queries are expected to give, modelled from the last `window` queries, times
+    the value norm; + sinks), knorm (lowest key norm, no attention needed), recent (sliding window / LRU), sinks
+    (first tokens + recent), strided (recent + evenly strided older tokens), hybrid (sinks + heavy hitters + recent).
     The recent window: at most one of `recent_length`, `recent_ratio` (fraction of the budget), `heavy_length`,
     `heavy_ratio` (the window is what the heavy part leaves); default: the policy's share. `sink_length`: first tokens
-    always kept by sinks / hybrid (default 4). `decay` in (0, 1]: the accumulated mass of h2o / hybrid fades by that
-    factor per query (None = plain sum). `window`: snapkv's observation window in queries (default 32). `pool`:
-    snapkv's pooling width over neighbouring slots (odd; default 1 = none).
+    always kept by sinks / hybrid / expected (default 4). `decay` in (0, 1]: the accumulated mass of h2o / hybrid
+    fades by that factor per query (None = plain sum). `window`: snapkv's observation window, expected's recent
+    queries, in queries (default 32). `pool`: snapkv's pooling width over neighbouring slots (odd; default 1 = none).
+    `future` (expected): the modelled queries are moved by RoPE to the next `future` positions (default 512; 0 keeps
+    them where they are and needs no config); `mass_share` (expected, in [0, 1), default 0): the share of the
+    priority taken from the attention mass the tokens received (h2o's score). `value_norm` (h2o, hybrid, tova,
+    snapkv, expected; default True for expected, False for the others): multiply each token's score by the norm of
+    its value.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
     head), so `memory_stats()` shows the real bytes.
@@ -123,6 +135,9 @@ class H2OOptions(CacheOptions):
     decay: float | None = None
     window: int | None = None
     pool: int | None = None
+    future: int | None = None
+    mass_share: float | None = None
+    value_norm: bool | None = None
     quant_bits: int | None = None
     quant_group_size: int | None = None
     pyramid: float | None = None
@@ -167,20 +182,30 @@ class H2OOptions(CacheOptions):
                 f"({', '.join(sorted(n for n, p in POLICIES.items() if p.needs_scores))}), not {self.policy!r}"
             )
         if self.sink_length is not None and not policy.uses_sinks:
-            raise ValueError(f"sink_length applies to the sinks and hybrid policies, not {self.policy!r}")
+            users = ", ".join(n for n, p in POLICIES.items() if p.uses_sinks)
+            raise ValueError(f"sink_length applies to the policies that keep sinks ({users}), not {self.policy!r}")
         if self.decay is not None:
             if not policy.uses_mass:
                 raise ValueError(
                     f"decay applies to the policies that accumulate attention mass (h2o, hybrid), not {self.policy!r}"
                 )
             check_number("decay", self.decay, 0.0, 1.0, lo_open=True, hint=" (the fading per query)")
-        for name in ("window", "pool"):
+        for name, users in (("window", WINDOW_POLICIES), *POLICY_OPTIONS.items()):
             v = getattr(self, name)
             if v is None:
                 continue
-            if self.policy not in WINDOW_POLICIES:
-                raise ValueError(f"{name} applies to the {' / '.join(WINDOW_POLICIES)} policy, not {self.policy!r}")
-            check_positive_int(name, v)
+            if self.policy not in users:
+                noun = "policy" if len(users) == 1 else "policies"
+                raise ValueError(f"{name} applies to the {' / '.join(users)} {noun}, not {self.policy!r}")
+            if name == "future":
+                check_int(name, v, lo=0, hint=" (upcoming positions; 0 = no RoPE shift)")
+            elif name == "mass_share":
+                check_number(name, v, 0.0, 1.0, hi_open=True, hint=" (the share of the received attention mass)")
+            elif name == "value_norm":
+                if not isinstance(v, bool):
+                    raise ValueError(f"value_norm must be True or False, got {v!r}")
+            else:
+                check_positive_int(name, v)
         if self.pool is not None and self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
         if self.quant_bits not in QUANT_BITS or isinstance(self.quant_bits, bool):
@@ -235,7 +260,7 @@ class H2OOptions(CacheOptions):
 
     def make_policy(self) -> EvictionPolicy:
         sink = self.sink_length if self.sink_length is not None else DEFAULT_SINK_LENGTH
-        extra = {k: v for k, v in (("window", self.window), ("pool", self.pool)) if v is not None}
+        extra = {k: getattr(self, k) for k in ("window", *POLICY_OPTIONS) if getattr(self, k) is not None}
         return POLICIES[self.policy](
             sink_length=sink, recent_length=self.recent_length, recent_ratio=self.recent_ratio,
             heavy_length=self.heavy_length, heavy_ratio=self.heavy_ratio, decay=self.decay, **extra,
@@ -346,6 +371,7 @@ class H2OLayer(CompressedLayer):
         crop = self.options.crop_window
         self.crop_window = DEFAULT_CROP_WINDOW if crop is None else crop
         self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
+        self.rope: KeyRotation | None = None  # the model's RoPE, for policies that need it; set by H2OCache
         self.slots: H2OSlots | None = None  # what the layer holds (None before the first update)
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
@@ -529,11 +555,17 @@ class H2OLayer(CompressedLayer):
                 "observe_queries(query[:, :, -layer.query_window:], scaling) first when driving the layer by hand"
             )
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
-        window = None
+        view = SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, rope=self.rope)
+        if self.policy.uses_values:
+            view.values = self._plain(s.values)
         if uses_window:
             r = self.ring.last(self.window)
-            window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling)
-        return SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, window=window)
+            if self.policy.uses_queries:  # the policy reads the queries themselves
+                view.queries, view.query_positions, view.query_valid = r.queries, r.positions, r.valid
+                view.scaling = r.scaling
+            else:
+                view.window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling)
+        return view
 
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:
         """Keep the policy's `budget` slots of every (row, KV head) (default: the options' budget for the tokens
@@ -663,8 +695,8 @@ class H2OLayer(CompressedLayer):
                 f"H2OCache cannot crop {n} token(s) with quant_bits={self.options.quant_bits} and policy="
                 f"{self.options.policy!r}: its scores hold the attention mass the cropped queries gave, which can be "
                 "recomputed only from the keys those queries saw, now stored quantized. Use quant_bits=None, a "
-                "policy that keeps no mass (tova, snapkv, knorm, recent, sinks, strided) or budget=1.0 (nothing "
-                "evicted: the scores never matter)"
+                "policy that keeps no mass (tova, snapkv, expected, knorm, recent, sinks, strided) or budget=1.0 "
+                "(nothing evicted: the scores never matter)"
             )
         elif ring is None or not ring.covers(start, seen):
             problem = (
@@ -706,6 +738,8 @@ class H2OCache(CompressedCache):
 
     def __init__(self, config: Any = None, **options: Any) -> None:
         super().__init__(config, **options)
+        if self.options.make_policy().needs_rope():
+            self._attach_rope(config)
         if self.options.pyramid:
             if config is None:
                 raise ValueError("pyramid (per-layer budgets) needs the model config: H2OCache(config=model.config, ...)")
@@ -715,6 +749,18 @@ class H2OCache(CompressedCache):
             for layer, scale in zip(layers, self.options.layer_scales(len(layers))):
                 layer.budget_scale = scale
     needs_attention_mass = True  # generate(cache_implementation=...) switches the model to the hf_kvcache attention
+
+    def _attach_rope(self, config: Any) -> None:
+        """Give every evicting layer the model's RoPE (`KeyRotation`), for a policy that moves queries with it."""
+        what = f"policy={self.options.policy!r} with future={self.options.make_policy().future}"
+        if config is None:
+            raise ValueError(f"{what} moves the recent queries by the model's RoPE, which needs the config: "
+                             "H2OCache(config=model.config, ...); or set future=0")
+        text = config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or [None] * len(self.layers)
+        for layer, layer_type in zip(self.layers, types):
+            if isinstance(layer, H2OLayer):
+                layer.rope = KeyRotation.from_config(config, layer_type=layer_type, user=what, instead="future=0")
 
     def evict_to(self, tokens: int, protect_last: int = 0) -> None:
         """Evict now, between two forwards, every layer down to `tokens` slots per (row, KV head) (`pyramid`: that

@@ -1,6 +1,7 @@
 """Eviction policies, one per module: each picks which held tokens a KV head keeps (see `base.EvictionPolicy`)."""
 
 from .base import EvictionPolicy, SlotView
+from .expected import ExpectedAttentionPolicy
 from .h2o import H2OPolicy
 from .hybrid import HybridPolicy
 from .knorm import KNormPolicy
@@ -12,13 +13,15 @@ from .tova import TOVAPolicy
 
 POLICIES: dict[str, type[EvictionPolicy]] = {
     p.name: p
-    for p in (H2OPolicy, TOVAPolicy, SnapKVPolicy, KNormPolicy, RecentPolicy, SinksPolicy, StridedPolicy, HybridPolicy)
+    for p in (H2OPolicy, TOVAPolicy, SnapKVPolicy, KNormPolicy, RecentPolicy, SinksPolicy, StridedPolicy, HybridPolicy,
+              ExpectedAttentionPolicy)
 }
 
 __all__ = [
     "EvictionPolicy",
     "SlotView",
     "POLICIES",
+    "ExpectedAttentionPolicy",
     "H2OPolicy",
     "HybridPolicy",
     "KNormPolicy",

@@ -6,16 +6,23 @@ padding to the bottom (`-inf`), so padding is always evicted first and never cou
 by giving it `+inf` (sinks, the recent window); rank the rest by attention score or by position.
 
 What a policy can read (`SlotView`): the accumulated attention mass (`scores`, for policies with `uses_mass`), the
-positions and padding flags, the held keys (query-agnostic scores such as the key norm), and `window`: the attention
-each of the last `query_window()` queries gives each held slot, recomputed by the layer from the queries the
-`"hf_kvcache"` attention reports (`window_attention`), so it covers the queries of several decoding steps too.
+positions and padding flags, the held keys (query-agnostic scores such as the key norm) and values, and `window`:
+the attention each of the last `query_window()` queries gives each held slot, recomputed by the layer from the
+queries the `"hf_kvcache"` attention reports (`window_attention`), so it covers the queries of several decoding steps
+too. A policy with `uses_queries` reads those queries themselves instead (`queries`, their positions and padding
+flags, the attention `scaling`, and the model's RoPE `rope` when it `needs_rope`): the expected-attention policy
+models the upcoming queries from them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from ..rope import KeyRotation
 
 INF = float("inf")
 
@@ -33,6 +40,13 @@ class SlotView:
     window: torch.Tensor | None = None  # [batch, kv_heads, W, slots] float32: attention of each of the last W
     # queries (oldest first, summed over the query heads of the group); 0 where the query could not see the slot
     # (a newer token), and rows of 0 for queries not seen yet or padding queries
+    values: torch.Tensor | None = None  # [batch, kv_heads, slots, value_dim] held values; None unless `uses_values`
+    queries: torch.Tensor | None = None  # [batch, heads, W, head_dim] the last W queries (post-RoPE, oldest first);
+    # None unless `uses_queries`
+    query_positions: torch.Tensor | None = None  # [W] int: their positions
+    query_valid: torch.Tensor | None = None  # [batch, W] bool: False for padding queries
+    scaling: float = 1.0  # the attention's logit scaling (1 / sqrt(head_dim) by default)
+    rope: "KeyRotation | None" = None  # the model's RoPE, for policies that `needs_rope`
 
     def rank(self) -> torch.Tensor:
         """0 for the oldest real token of each row/head, 1 for the next... (meaningless on padding slots)."""
@@ -64,6 +78,10 @@ class EvictionPolicy:
     needs_scores = False  # ranks a "heavy" part of the budget by a score (heavy_length / heavy_ratio apply)
     uses_mass = False  # reads the accumulated attention mass (`view.scores`); the layer stores it only then
     uses_keys = False  # reads the held keys (`view.keys`)
+    uses_values = False  # reads the held values (`view.values`); also every policy built with `value_norm`
+    ranks_by_attention = False  # its priority is attention (received, or expected): `value_norm` may weight it
+    default_value_norm = False
+    uses_queries = False  # reads the last `query_window()` queries themselves (`view.queries`), not their attention
     uses_sinks = False
     default_recent_share = 1.0
 
@@ -77,7 +95,13 @@ class EvictionPolicy:
         window: int = 32,
         decay: float | None = None,
         pool: int = 1,
+        value_norm: bool | None = None,
     ) -> None:
+        # the priority is multiplied by the norm of each slot's value: the size of what the token adds to the output
+        # when attended (Expected Attention's weighting; measured better for every attention policy on Qwen, README)
+        self.value_norm = self.default_value_norm if value_norm is None else value_norm
+        if self.value_norm:
+            self.uses_values = True
         self.window = window  # queries of the observation window (policies whose `query_window` uses it)
         self.decay = decay  # accumulated mass fades by `decay` per query (None = plain sum); policies with uses_mass
         self.pool = pool  # width of the pooling over neighbouring slots (1 = none)
@@ -107,6 +131,10 @@ class EvictionPolicy:
         """Recent queries whose attention this policy reads (`view.window`); 0 = none (the default)."""
         return 0
 
+    def needs_rope(self) -> bool:
+        """Whether `priority` reads `view.rope` (the cache then needs the model config for it)."""
+        return False
+
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         """`[batch, kv_heads, slots]`: higher = keep. The one method a policy overrides."""
         raise NotImplementedError
@@ -125,6 +153,9 @@ class EvictionPolicy:
         """`[batch, kv_heads, slots]` float32 priority: padding `-inf`, the `protect_last` newest real tokens `+inf`;
         `shared`: averaged over the KV heads (protected slots stay `+inf`)."""
         priority = self.priority(view, budget).float()
+        if self.value_norm:  # protected slots (+inf) stay protected
+            weighted = priority * view.values.float().norm(dim=-1)
+            priority = torch.where(priority.isinf(), priority, weighted)
         if shared:
             priority = priority.mean(1, keepdim=True).expand_as(priority)
         if protect_last:

@@ -13,6 +13,7 @@ from .base import INF, EvictionPolicy, SlotView
 class H2OPolicy(EvictionPolicy):
     name = "h2o"
     needs_scores = True
+    ranks_by_attention = True
     uses_mass = True
     default_recent_share = 0.5
 

@@ -10,6 +10,7 @@ from .base import INF, EvictionPolicy, SlotView
 class HybridPolicy(EvictionPolicy):
     name = "hybrid"
     needs_scores = True
+    ranks_by_attention = True
     uses_mass = True
     uses_sinks = True
     default_recent_share = 0.5

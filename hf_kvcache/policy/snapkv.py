@@ -20,6 +20,7 @@ DEFAULT_POOL = 1  # SnapKV pools over 7; measured worse here (SmolLM2 + Moby Dic
 class SnapKVPolicy(EvictionPolicy):
     name = "snapkv"
     needs_scores = True
+    ranks_by_attention = True
     default_recent_share = 0.0
 
     def __init__(self, *args, pool: int = DEFAULT_POOL, **kwargs) -> None:

@@ -15,6 +15,7 @@ from .base import INF, EvictionPolicy, SlotView
 class TOVAPolicy(EvictionPolicy):
     name = "tova"
     needs_scores = True
+    ranks_by_attention = True
     default_recent_share = 0.0
 
     def query_window(self) -> int:
