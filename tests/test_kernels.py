@@ -181,3 +181,26 @@ def test_the_cache_quantizer_dispatches_to_the_triton_kernels():
         assert torch.equal(ref.codes, tri.codes) and torch.equal(ref.scale, tri.scale) and torch.equal(ref.zero, tri.zero)
     assert _triton_serves(x, 4, 32, 1.0, False) and not _triton_serves(x, 4, 32, 1.0, True)
     assert not _triton_serves(x, 5, 32, 1.0, False) and not _triton_serves(x[..., :48], 4, 32, 1.0, False)
+
+
+def test_torch_path_blocks_bound_their_buffers():
+    """The CPU path's automatic block: decode queries (3 rows) take the whole 8K segment in one block; a prefill chunk
+    (1536 rows) takes blocks whose scores and scaled queries stay within BLOCK_ELEMENTS, and the result is the same."""
+    from hf_kvcache.kernels import from_codes
+
+    seg = quant_segment(1, 3, 8192, 64, 2, 2, k_group=64, v_group=64)
+    assert [(a, b) for a, b, _ in from_codes.blocks(seg, 3, None)] == [(0, 8192)]
+    spans = [(a, b) for a, b, _ in from_codes.blocks(seg, 1536, None)]
+    assert spans[0] == (0, 448) and spans[-1][1] == 8192 and all(b - a <= 448 for a, b in spans)
+    assert 3 * 1536 * 448 <= from_codes.BLOCK_ELEMENTS
+    small = quant_segment(1, 3, 256, 64, 2, 2, k_group=64, v_group=64)
+    q, mask = torch.randn(1, 9, 40, 64), torch.ones(1, 1, 40, 256, dtype=torch.bool)
+    ref, _ = reference_attention(q, [small], mask)
+    old = from_codes.BLOCK_ELEMENTS
+    try:
+        from_codes.BLOCK_ELEMENTS = 3 * 3 * 40 * 64  # 3 rows per query head: one key group per block
+        assert len(list(from_codes.blocks(small, 120, None))) == 4
+        out, _ = decode_attention(q, [small], attention_mask=mask)
+    finally:
+        from_codes.BLOCK_ELEMENTS = old
+    torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
