@@ -13,6 +13,7 @@ import threading
 import torch
 
 from .segments import QuantSegment
+from hf_kvcache.quant.rotation import rotate, unrotate
 
 NEG_INF = float("-inf")
 
@@ -167,16 +168,14 @@ def packed_attention(q: torch.Tensor, segments: list, overlays: list, column_mas
     cap = total if total <= block + block // 4 else block
     keys = _SCRATCH.get("rows_k", b * h * cap * d, torch.float32, q.device).view(b, h, cap, d)
     values = _SCRATCH.get("rows_v", b * h * cap * d, torch.float32, q.device).view(b, h, cap, d)
-    rk32 = None if rk is None else rk.float()
-    rv32 = None if rv is None else rv.float()
-    q = q if rk32 is None else q @ rk32
+    q = q if rk is None else rotate(q.float(), rk)
     state, fill, first = None, 0, 0  # rows filled; position of row 0
 
     def put(rows_k: torch.Tensor, rows_v: torch.Tensor, at: int) -> None:
         n = rows_k.shape[2]
         rows_k, rows_v = rows_k.float(), rows_v.float()
-        keys[:, :, at : at + n] = rows_k if rk32 is None else rows_k @ rk32
-        values[:, :, at : at + n] = rows_v if rv32 is None else rows_v @ rv32
+        keys[:, :, at : at + n] = rows_k if rk is None else rotate(rows_k, rk)
+        values[:, :, at : at + n] = rows_v if rv is None else rotate(rows_v, rv)
 
     def flush() -> None:
         nonlocal state, fill, first
@@ -209,4 +208,4 @@ def packed_attention(q: torch.Tensor, segments: list, overlays: list, column_mas
     if fill:
         flush()
     out, _ = finish(state)
-    return out if rv32 is None else out @ rv32.t()
+    return out if rv is None else unrotate(out, rv)

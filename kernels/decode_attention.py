@@ -20,6 +20,7 @@ import torch
 
 from .blockwise import combine, dense_partial, finish, packed_attention, rows_mask, scratch, quant_mass_blockwise, quant_partial_blockwise
 from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
+from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
 
 NEG_INF = float("-inf")
 
@@ -109,7 +110,7 @@ def decode_attention(
             if seg.k_rotation is not None:
                 q_seg = rotated_q.get(id(seg.k_rotation))
                 if q_seg is None:
-                    q_seg = rotated_q[id(seg.k_rotation)] = q @ seg.k_rotation.float()
+                    q_seg = rotated_q[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
             patches = _patches(patched, seg, start, stop)
             if use_triton:
                 from .triton_decode import quant_partial_triton
@@ -175,18 +176,18 @@ def _patches(overlays: list[FullSegment], seg: QuantSegment, start: int, stop: i
         if lo < hi:
             k = o.keys[:, :, lo - o.overlay_at : hi - o.overlay_at].float()
             v = o.values[:, :, lo - o.overlay_at : hi - o.overlay_at].float()
-            k = k if seg.k_rotation is None else k @ seg.k_rotation.float()
-            v = v if seg.v_rotation is None else v @ seg.v_rotation.float()
+            k = k if seg.k_rotation is None else rotate(k, seg.k_rotation)
+            v = v if seg.v_rotation is None else rotate(v, seg.v_rotation)
             out.append((lo - start, k, v))
     return out
 
 
-def _unrotated(v_rotation: torch.Tensor | None, part):
+def _unrotated(v_rotation: Rotation | None, part):
     """A partial over values stored as v @ R, brought back to the model's basis (its output times R^T)."""
     if v_rotation is None:
         return part
     m, l, acc = part
-    return m, l, acc @ v_rotation.t().float()
+    return m, l, unrotate(acc.float(), v_rotation)
 
 
 def _dense_keys(dense, b: int, q_len: int, group: int):
