@@ -40,7 +40,7 @@ and the tensors of its `attention_segments()` (what the fused attention reads: c
 tail and sink overlay) are summed, then scaled by KV heads and layers; `layout_bytes` computes the same from the layout
 formulas and the report checks that they agree. fp16 KV (what SDPA over a DynamicCache reads) is N x head_dim x 2 x
 2 bytes per KV head and layer. Time lower bound = bytes / HBM bandwidth (H100 SXM 3.35 TB/s, H200 4.8 TB/s).
-Not counted: the query, the (m, l, acc) partials the split kernel writes and merges, the rotation matrices; and the
+Not counted: the query, the (m, l, acc) partials the split kernel writes and merges, the rotations; and the
 weights, which the "incl. weights" columns add (fp16 parameters) to show what the whole step gains.
 """
 

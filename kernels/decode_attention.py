@@ -22,6 +22,7 @@ import torch
 from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
 from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
+from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
 
 NEG_INF = float("-inf")
 
@@ -102,7 +103,7 @@ def decode_attention(
             if seg.k_rotation is not None:
                 q_seg = rotated_q.get(id(seg.k_rotation))
                 if q_seg is None:
-                    q_seg = rotated_q[id(seg.k_rotation)] = q @ seg.k_rotation.float()
+                    q_seg = rotated_q[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
             if use_triton:
                 from .triton_decode import quant_partial_triton
 
@@ -147,12 +148,12 @@ def decode_attention(
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
 
 
-def _unrotated(v_rotation: torch.Tensor | None, part):
+def _unrotated(v_rotation: Rotation | None, part):
     """A partial over values stored as v @ R, brought back to the model's basis (its output times R^T)."""
     if v_rotation is None:
         return part
     m, l, acc = part
-    return m, l, acc @ v_rotation.t().float()
+    return m, l, unrotate(acc.float(), v_rotation)
 
 
 def _dense_keys(dense, b: int, q_len: int, group: int):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_kvcache.quant.kivi import KIVIQuantized, dequantize_kivi
+from hf_kvcache.quant.rotation import Rotation, unrotate as unrotate_by
 
 
 @dataclass
@@ -31,8 +32,9 @@ class QuantSegment:
     k_group: int  # tokens per key scale
     v_group: int  # channels per value scale
     head_dim: int
-    k_rotation: torch.Tensor | None = None  # stored keys are k @ R (R orthogonal): attend with q @ R
-    v_rotation: torch.Tensor | None = None  # stored values are v @ R: the segment's output is rotated back by R^T
+    # stored keys are k @ R (R orthogonal: a matrix or a `HadamardRotation`): attend with q @ R
+    k_rotation: Rotation | None = None
+    v_rotation: Rotation | None = None  # stored values are v @ R: the segment's output is rotated back by R^T
 
     @property
     def tokens(self) -> int:
@@ -73,9 +75,9 @@ class QuantSegment:
         k = dequantize_kivi(self.key_codes(), out=None if out is None else out[0])
         v = dequantize_kivi(self.value_codes(), out=None if out is None else out[1])
         if unrotate and self.k_rotation is not None:
-            k = k @ self.k_rotation.t().float()
+            k = unrotate_by(k, self.k_rotation).float()
         if unrotate and self.v_rotation is not None:
-            v = v @ self.v_rotation.t().float()
+            v = unrotate_by(v, self.v_rotation).float()
         return (k, v) if out is not None else (k.to(dtype), v.to(dtype))
 
     def nbytes(self) -> int:

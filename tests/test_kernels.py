@@ -106,13 +106,18 @@ def test_kernels_compile_for_hopper():
 
 
 @pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-def test_decode_attention_rotated_segment(use_triton):
-    """Keys/values stored as k @ R, v @ R: attention must equal attention over the unrotated tensors."""
+@pytest.mark.parametrize("kind", ["matrix", "hadamard"])
+def test_decode_attention_rotated_segment(use_triton, kind):
+    """Keys/values stored as k @ R, v @ R (R a dense orthogonal matrix, or the Walsh-Hadamard transform the tiered
+    cache holds): attention must equal attention over the unrotated tensors."""
+    from hf_kvcache.quant.rotation import hadamard_rotation, rotate
+
     g = torch.Generator().manual_seed(3)
     rot, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
+    rot = rot if kind == "matrix" else hadamard_rotation(64, 0)
     k, v = torch.randn(2, 2, 64, 64, generator=g), torch.randn(2, 2, 64, 64, generator=g)
-    kc, ks, kz = kivi_keys_reference(k @ rot, 8, 32)
-    vc, vs, vz = kivi_values_reference(v @ rot, 8, 32)
+    kc, ks, kz = kivi_keys_reference(rotate(k, rot), 8, 32)
+    vc, vs, vz = kivi_values_reference(rotate(v, rot), 8, 32)
     seg = QuantSegment(kc, ks, kz, vc, vs, vz, 8, 8, 32, 32, 64, k_rotation=rot, v_rotation=rot)
     q = torch.randn(2, 6, 1, 64, generator=g)
     ref, ref_mass = reference_attention(q, [seg])

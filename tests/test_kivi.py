@@ -8,7 +8,8 @@ from hf_kvcache.quant.kivi import (
     quantize_kivi,
 )
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
-from hf_kvcache.quant.rotation import hadamard_matrix, rotate, rotation_matrix, unrotate
+from hf_kvcache.quant.rotation import (HadamardRotation, hadamard_matrix, hadamard_rotation, rotate, rotation_matrix,
+                                       unrotate)
 
 
 def reference_kivi(x: torch.Tensor, bits: int, group: int, axis: str):
@@ -183,6 +184,32 @@ def test_rotation_is_orthogonal_and_inverts():
     assert torch.equal(h @ h.t(), 8 * torch.eye(8))
     with pytest.raises(ValueError, match="power-of-two"):
         hadamard_matrix(48)
+
+
+@pytest.mark.parametrize("n", [1, 2, 8, 32, 64, 128, 256, 512])
+def test_hadamard_transform_is_the_rotation_matrix(n):
+    """The Walsh-Hadamard transform from signs and Sylvester factors is x @ R (and x @ R.T) for the dense
+    randomized Hadamard matrix of the same size and seed, orthogonal, and holds no n x n tensor."""
+    r = HadamardRotation(n, seed=1)
+    dense = rotation_matrix(n, 1)
+    x = torch.randn(2, 3, 5, n, dtype=torch.float64).float()
+    torch.testing.assert_close(r.rotate(x), x @ dense, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(r.unrotate(x), x @ dense.t(), atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(r.unrotate(r.rotate(x)), x, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(rotate(x, r), x @ dense, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(unrotate(x, r), x @ dense.t(), atol=2e-6, rtol=1e-5)
+    m = r.matrix()
+    torch.testing.assert_close(m @ m.t(), torch.eye(n), atol=1e-6, rtol=0)
+    assert all(t.numel() < n * n or n <= 2 for t in r.tensors())
+    assert r.signs.dtype == torch.int8 and r.signs.numel() == n
+    assert hadamard_rotation(n, 1) is hadamard_rotation(n, 1)  # one object per size and seed: counted once
+
+
+def test_hadamard_transform_bad_sizes():
+    with pytest.raises(ValueError, match="power-of-two size"):
+        HadamardRotation(96)
+    with pytest.raises(ValueError, match="cannot rotate a last dim of 32"):
+        HadamardRotation(64).rotate(torch.randn(3, 32))
 
 
 def test_rotation_spreads_an_outlier_channel():

@@ -135,9 +135,9 @@ def test_tiered_bytes_count_the_rotations(smol, moby_text):
     model(ids, past_key_values=cache)
     layer = cache.layers[0]
     rotations = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                 for t in (layer.rot_k, layer.rot_v, layer.unrot_k, layer.unrot_v)}
+                 for t in (*layer.rot_k.tensors(), *layer.rot_v.tensors())}
     store = sum(t.nbytes for l in cache.layers for t in l.tiers.tensors())
-    # the matrices are shared by every layer (one per size and seed): counted once
+    # the rotations (signs and Sylvester factors) are shared by every layer (one per size and seed): counted once
     assert cache.memory_stats()["bytes"] == store + sum(rotations.values())
 
 

@@ -74,7 +74,7 @@ def test_sliding_options_default_validate_and_serialize():
     assert opts.sliding == SLIDING_DEFAULT and opts.sliding is not SLIDING_DEFAULT  # a copy per instance
     plan = opts.for_sliding()
     assert (plan.tail_length, plan.warm_length, plan.warm_fraction, plan.warm_bits, plan.archive_bits) == (0, 64, 0.0, 3, 3)
-    assert (plan.rotation, plan.clip_on, plan.sink_length, plan.sliding) == ("none", "both", 0, None)
+    assert (plan.rotation, plan.clip_on, plan.sink_length, plan.sliding) == ("none", "values", 0, None)
     # keys left out take the full layers' value; None: sliding layers run the full layers' options (without sinks)
     assert TieredQuantOptions(sliding={"archive_bits": 4}).for_sliding().warm_length == 448
     assert TieredQuantOptions(sliding=None).for_sliding() == TieredQuantOptions(sliding=None, sink_length=0)

@@ -302,23 +302,27 @@ def test_sinks_follow_a_crop_below_them():
     assert cache.layers[0].tier_tokens()["sink"] == 4
 
 
-@pytest.mark.parametrize("dim, rotation_dtype, shared", [(64, "bfloat16", True), (128, "bfloat16", False),
-                                                          (64, None, False)])
-def test_rotation_stored_once_in_bfloat16_when_exact(dim, rotation_dtype, shared):
-    from hf_kvcache.quant.rotation import rotation_matrix
-
-    layer = TieredQuantLayer(TieredQuantOptions(rotation="both", rotation_dtype=rotation_dtype))
-    layer.update(torch.randn(1, 1, 8, dim), torch.randn(1, 1, 8, dim))
-    exact = rotation_matrix(dim, 0)
-    assert torch.equal(layer.rot_k.float(), exact) and torch.equal(layer.unrot_k.float(), exact.t().to(layer.rot_dtype).float())
-    one = (layer.rot_k.untyped_storage().data_ptr() == layer.unrot_k.untyped_storage().data_ptr())
-    assert one == shared and (layer.rot_k.dtype == torch.bfloat16) == shared
-    # +-1/sqrt(64) is a bfloat16 number: one 8 KiB matrix per rotated tensor instead of 16 KiB fp32 + 8 KiB bf16
-    rot_bytes = memory_stats_of_rotations(layer)
-    assert rot_bytes == (2 * dim * dim * 2 if shared else 2 * dim * dim * (4 + layer.rot_dtype.itemsize))
-
-
-def memory_stats_of_rotations(layer):
+@pytest.mark.parametrize("dim", [64, 128, 256])
+def test_rotation_held_as_signs_and_small_factors(dim):
+    """A rotated layer holds no dim x dim matrix: each rotation is its dim int8 signs plus float32 Sylvester factors
+    (8 x 8 for 64; 16 x 16 and 8 x 8 for 128; 16 x 16 for 256), the factors shared by keys and values; and it
+    reads back what the dense matrix gives."""
     from hf_kvcache.caches.base import held_bytes
+    from hf_kvcache.quant.rotation import HadamardRotation, rotation_matrix
 
-    return held_bytes([layer.rot_k, layer.unrot_k, layer.rot_v, layer.unrot_v])
+    layer = TieredQuantLayer(TieredQuantOptions(rotation="both", rotation_dtype=None, tail_length=16, warm_length=0,
+                                                warm_fraction=0.0, sink_length=0))
+    k, v = torch.randn(1, 1, 200, dim), torch.randn(1, 1, 200, dim)
+    layer.update(k, v)
+    assert isinstance(layer.rot_k, HadamardRotation) and layer.rot_k is not layer.rot_v
+    torch.testing.assert_close(layer.rot_k.matrix(), rotation_matrix(dim, 0), atol=1e-6, rtol=0)
+    torch.testing.assert_close(layer.rot_v.matrix(), rotation_matrix(dim, 1), atol=1e-6, rtol=0)
+    factors = {64: 8 * 8, 128: 16 * 16 + 8 * 8, 256: 16 * 16}[dim] * 4
+    assert held_bytes([*layer.rot_k.tensors(), *layer.rot_v.tensors()]) == 2 * dim + factors
+    # the quantized tiers un-rotated by the transform equal their codes un-rotated by the dense matrix
+    km, vm = layer.materialize()
+    codes = layer.tiers.archive
+    ka, va = layer.formats["warm"].decode(codes, 0, rotated=True)
+    n = codes.tokens
+    torch.testing.assert_close(km[:, :, :n], ka @ rotation_matrix(dim, 0).t(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(vm[:, :, :n], va @ rotation_matrix(dim, 1).t(), atol=1e-5, rtol=1e-5)

@@ -92,9 +92,9 @@ class KIVIFormat(ArchiveFormat):
     def prepare(self, keys, values, start, rotated=False):
         la = self.layer
         if la.rot_k is not None and not rotated:
-            keys = keys.float() @ la.rot_k.float()
+            keys = la.rot_k.rotate(keys)
         if la.rot_v is not None and not rotated:
-            values = values.float() @ la.rot_v.float()
+            values = la.rot_v.rotate(values)
         return keys, values
 
     def encode(self, keys, values):
@@ -106,8 +106,8 @@ class KIVIFormat(ArchiveFormat):
         keys, values = dequantize_kivi(q.keys), dequantize_kivi(q.values)
         if not rotated:  # un-rotated exactly as `materialize_into` does it, so a reopened group reads back what attention saw
             dt = la.rot_dtype
-            keys = keys if la.rot_k is None else (keys.to(dt) @ la.unrot_k).float()
-            values = values if la.rot_v is None else (values.to(dt) @ la.unrot_v).float()
+            keys = keys if la.rot_k is None else la.rot_k.unrotate(keys.to(dt))
+            values = values if la.rot_v is None else la.rot_v.unrotate(values.to(dt))
         return keys, values
 
     def moves(self, warm_spec):

@@ -38,7 +38,7 @@ import torch
 from ..options import CacheOptions, check_bool, check_choice, check_int, check_number, check_positive_int
 from ..quant.kivi import AXES, KIVIQuantized, dequantize_kivi
 from ..rope import KeyRotation
-from ..quant.rotation import is_power_of_two, rotation_matrix, unrotation_matrix
+from ..quant.rotation import hadamard_rotation, is_power_of_two
 from ..kernels.segments import FullSegment, QuantSegment
 from ..calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
 from ..calibrate.recipe import choose_key_clipping
@@ -60,9 +60,10 @@ SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "a
                   "archive_quantizer")
 # what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256:
 # docs/rows/sliding_*gemma3-270m*)
-# no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values and keys clipped, no rotation
+# no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values clipped (keys clipped too flipped
+# a near-tied greedy token: 2 of 24 tokens kept after a 700-token prompt, 24 with values only), no rotation
 SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "warm_bits": 3, "archive_bits": 3,
-                   "rotation": "none", "clip_on": "both", "archive_quantizer": "kivi"}
+                   "rotation": "none", "clip_on": "values", "archive_quantizer": "kivi"}
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 
@@ -131,8 +132,10 @@ class TieredQuantOptions(CacheOptions):
       of +2.45 %, but 4.33x instead of 4.53x at 2048 tokens)
     - recipes: per model layer, a recipe to use instead of calibrating (`cache.recipes()` of a calibrated cache, a
       rotation name, or None for that layer); a JSON list
-    - rotation_dtype: dtype of the un-rotation matmul at read time (None: float32; "bfloat16": faster on CPUs with
-      bf16 units, its rounding is far below 2-bit quantization noise)
+    - rotation_dtype: dtype of the scratch buffer a rotated tier is dequantized into before its un-rotation when
+      the layer is read whole (None: float32; "bfloat16": half that buffer, its rounding far below 2-bit
+      quantization noise); the Walsh-Hadamard transform itself runs in float32, and the fused attention never
+      un-rotates the codes (it rotates the queries)
     - clip_ratio: shrink every group's [min, max] around its midpoint by this factor (1.0: no clipping)
     - clip_search: pick, per group, the clipping ratio with the smallest squared error (quant.kivi.CLIP_GRID)
     - clip_on: which tensors clip_ratio / clip_search apply to: "keys", "values", "both", or "auto" (the
@@ -149,9 +152,10 @@ class TieredQuantOptions(CacheOptions):
       as full layers. Such a layer holds only the window (DynamicCache holds window - 1 positions there), so a
       tail and warm tier sized for long contexts would be most of it. The default (`SLIDING_DEFAULT`) keeps no
       full-precision tail beyond the group waiting to leave it, 64 positions at 3 bits in groups of 32 and the
-      rest of the window at 3 bits in groups of 64 (clip search on keys and values), unrotated: a rotation lost
-      perplexity there and its matrix, shared by all layers, costs 128 KiB for head_dim 256, and a KIVI archive
-      whatever `archive_quantizer` says: a subspace basis fitted on the few positions a 64-token warm tier hands
+      rest of the window at 3 bits in groups of 64 (clip search on values; clipping keys too cut Gemma-3-270M's
+      greedy agreement with DynamicCache after a 700-token prompt from 24 to 2 of 24 tokens, `python -m
+      hf_kvcache.eval.greedy`), unrotated (a rotation lost perplexity there), and a KIVI archive whatever
+      `archive_quantizer` says: a subspace basis fitted on the few positions a 64-token warm tier hands
       over (fewer than head_dim 256) misses most directions (Gemma-3-270M, 1024 tokens: subspace +33 %, adaptive
       +4057 % with subspace sliding layers). A sliding layer keeps no sinks either way. Models without sliding
       layers never read it.
@@ -422,24 +426,11 @@ class TieredQuantLayer(CompressedLayer):
                      if (ok_k or c not in ("keys", "both")) and (ok_v or c not in ("values", "both")))
 
     def _set_rotation(self, rotation: str) -> None:
-        """The rotation matrices (shared by every layer, see `quant.rotation`) and their transposes, used to un-rotate,
-        in the dtype of that matmul."""
+        """The Hadamard rotations of keys and values (`quant.rotation.HadamardRotation`: signs and small Sylvester
+        factors, no matrix; one object per size and seed, shared by every layer)."""
         rot_k, rot_v = rotation in ("keys", "both"), rotation in ("values", "both")
-        self.rot_k, self.unrot_k = self._rotation_pair(self.head_dim, 0) if rot_k else (None, None)
-        self.rot_v, self.unrot_v = self._rotation_pair(self.value_dim, 1) if rot_v else (None, None)
-
-    def _rotation_pair(self, n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(rotation, un-rotation) of size `n`. When the un-rotation runs in bfloat16 and bfloat16 holds the rotation
-        exactly (entries +-1/sqrt(n): n a power of 4, e.g. head_dim 64 or 256), both are one bfloat16 matrix and its
-        transposed view, a quarter of the bytes of an fp32 rotation plus a separate un-rotation (readers upcast it;
-        same values, same products); otherwise an fp32 rotation and the un-rotation in `rotation_dtype`."""
-        device = self.device
-        r32 = rotation_matrix(n, seed, device=device)
-        if self.rot_dtype == torch.bfloat16:
-            r16 = rotation_matrix(n, seed, torch.bfloat16, device)
-            if torch.equal(r16.float(), r32):
-                return r16, r16.t()
-        return r32, unrotation_matrix(n, seed, self.rot_dtype, device)
+        self.rot_k = hadamard_rotation(self.head_dim, 0, self.device) if rot_k else None
+        self.rot_v = hadamard_rotation(self.value_dim, 1, self.device) if rot_v else None
 
     # ---- calibration ("auto" rotation) ---------------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
@@ -596,8 +587,8 @@ class TieredQuantLayer(CompressedLayer):
     def held_tensors(self) -> list[torch.Tensor]:
         """The stored tiers (codebooks included) plus the rotation matrices (and their transposes) the layer reads
         them with."""
-        extra = [t for t in (getattr(self, n, None) for n in ("rot_k", "rot_v", "unrot_k", "unrot_v"))
-                 if t is not None]
+        extra = [t for r in (getattr(self, n, None) for n in ("rot_k", "rot_v")) if r is not None
+                 for t in r.tensors()]
         return [*self.tiers.tensors(), *extra]
 
     def tier_tokens(self) -> dict[str, int]:
@@ -801,7 +792,8 @@ class TieredQuantLayer(CompressedLayer):
         """Dequantize archive then warm into the first positions of `out_k` / `out_v`; returns how many.
 
         A rotated KIVI tier is dequantized into a contiguous scratch buffer (in `rotation_dtype`) and un-rotated with
-        one matmul over all its tokens, written back into `out`; the other formats are decoded (RoPE put back)."""
+        one Walsh-Hadamard transform over all its tokens, written back into `out`; the other formats are decoded
+        (RoPE put back)."""
         pos, start = 0, self._tier_starts()["archive"]
         for q in [*self._segments(self.tiers.archive), *self._segments(self.tiers.warm)]:
             n = q.tokens
@@ -812,13 +804,13 @@ class TieredQuantLayer(CompressedLayer):
                 out_v[:, :, pos : pos + n].copy_(v)
                 pos += n
                 continue
-            for part, out, rot in ((q.keys, out_k, self.unrot_k), (q.values, out_v, self.unrot_v)):
+            for part, out, rot in ((q.keys, out_k, self.rot_k), (q.values, out_v, self.rot_v)):
                 if rot is None:
                     dequantize_kivi(part, out=out[:, :, pos : pos + n])
                     continue
                 scratch = torch.empty(*out.shape[:2], n, out.shape[3], dtype=self.rot_dtype, device=out.device)
                 dequantize_kivi(part, out=scratch)
-                out[:, :, pos : pos + n].copy_(torch.mm(scratch.view(-1, scratch.shape[-1]), rot).view(scratch.shape))
+                out[:, :, pos : pos + n].copy_(rot.unrotate(scratch))
             pos += n
         return pos
 
