@@ -191,7 +191,10 @@ def test_crop_equals_a_cache_that_never_saw_the_cropped_tokens(smol, ids_of, nam
     tokens cross no boundary where storage changes and both runs compress the same tokens the same way. The uniform
     caches quantize the 2 kept tokens from a 5-token forward in one run and a 2-token forward in the other: float
     rounding of different GEMM shapes moves a code by one step now and then (measured 1.4e-3 in a logit), hence
-    their tolerance; the other caches still hold those tokens in their 16-bit tail (measured 3e-5). H2O has evicted
+    their tolerance; the other caches still hold those tokens in their 16-bit tail (measured 3e-5; 3e-4 for KIVI and
+    tiered since the fused CPU path folds the key scales into the queries: one small matmul per key group whose
+    rounding depends on how many query rows the forward had, 15 or 6, and the 16-bit tail rounds that apart now and
+    then). H2O has evicted
     during the prompt and cannot restore what it dropped: it must say so instead of cropping."""
     model, _ = smol
     cache, ids = prefilled(model, ids_of, name)
@@ -205,7 +208,7 @@ def test_crop_equals_a_cache_that_never_saw_the_cropped_tokens(smol, ids_of, nam
     assert cache.get_seq_length() == P + 2
     step(model, never, ids[:, P : P + 2])
     nxt = ids[:, P + 2 : P + 3]
-    atol = 1e-2 if name in UNIFORM else 1e-4
+    atol = 1e-2 if name in UNIFORM else 5e-4 if name in ("kivi", "tiered") else 1e-4
     torch.testing.assert_close(step(model, cache, nxt), step(model, never, nxt), atol=atol, rtol=0)
     # bytes after a forward: right after the crop, storage sliced in place still holds the cropped tokens until the
     # next append replaces it
