@@ -99,6 +99,9 @@ def decode_attention(
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
             if hidden is not None:
                 key_valid = ~hidden.expand(b, -1) if key_valid is None else key_valid & ~hidden
+                cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
+            # the torch path masks per query row (a sliding window hides old keys from the later rows of a chunk)
+            seg_mask = rows_mask(cmask, group) if cmask is not None and cmask.shape[2] > 1 else cmask
             q_seg = q
             if seg.k_rotation is not None:
                 q_seg = rotated_q.get(id(seg.k_rotation))
@@ -109,14 +112,14 @@ def decode_attention(
 
                 part = quant_partial_triton(q_seg, seg, key_valid)
             else:
-                part = quant_partial_codes(q_seg, seg, key_valid, block)
+                part = quant_partial_codes(q_seg, seg, seg_mask, block)
             if pending is not None and pending[0] is seg.v_rotation:
                 pending = (seg.v_rotation, combine(pending[1], part))
             else:
                 if pending is not None:
                     partials.append(_unrotated(*pending))
                 pending = (seg.v_rotation, part)
-            quant_spans.append((seg, start, stop, key_valid, q_seg))
+            quant_spans.append((seg, start, stop, key_valid, seg_mask, q_seg))
         else:
             if hidden is not None:
                 cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
@@ -134,13 +137,13 @@ def decode_attention(
     mass = None
     if return_mass:
         mass = q.new_zeros((b, kv_heads, total))
-        for seg, start, stop, key_valid, q_seg in quant_spans:
+        for seg, start, stop, key_valid, seg_mask, q_seg in quant_spans:
             if use_triton:
                 from .triton_decode import quant_mass_triton
 
                 mass[..., start:stop] = quant_mass_triton(q_seg, seg, key_valid, lse)
             else:
-                mass[..., start:stop] = quant_mass_codes(q_seg, seg, key_valid, lse, block)
+                mass[..., start:stop] = quant_mass_codes(q_seg, seg, seg_mask, lse, block)
         if dense:
             p = _masked_scores(q, dk, row_mask).sub_(lse.unsqueeze(-1)).exp_().sum(2)
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)

@@ -85,21 +85,23 @@ def blocks(seg: QuantSegment, rows: int, block: int | None):
         yield start, stop, seg if (start, stop) == (0, seg.tokens) else seg.slice(start, stop)
 
 
-def _masked(s: torch.Tensor, key_valid: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
-    if key_valid is not None:
-        valid = key_valid[:, start:stop]
-        if not bool(valid.all()):
-            s.masked_fill_(~valid[:, None, None, :], NEG_INF)
+def _masked(s: torch.Tensor, mask: torch.Tensor | None, start: int, stop: int) -> torch.Tensor:
+    """Scores [B, H, M, n] of tokens [start, stop) with -inf where `mask` ([B|1, 1, M|1, T] boolean, True = attend)
+    is False."""
+    if mask is not None:
+        m = mask[..., start:stop]
+        if not bool(m.all()):
+            s.masked_fill_(~m, NEG_INF)
     return s
 
 
-def quant_partial_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, block: int | None = None):
+def quant_partial_codes(q: torch.Tensor, seg: QuantSegment, mask: torch.Tensor | None, block: int | None = None):
     """Softmax partial (row max, row sum, unnormalized output; see `blockwise.combine`) of grouped, scaled queries
     `q` [B, H, M, D] (in the segment's key basis) over the segment, from its codes; the output is in the segment's
-    value basis. `key_valid` [B, T] (True = attend) or None."""
+    value basis. `mask`: [B|1, 1, M|1, T] boolean (True = attend) or None."""
     state = None
     for start, stop, part in blocks(seg, q.shape[2], block):
-        s = _masked(block_scores(q, part), key_valid, start, stop)
+        s = _masked(block_scores(q, part), mask, start, stop)
         mx = s.amax(-1)
         m_safe = torch.where(torch.isinf(mx), 0.0, mx)
         p = s.sub_(m_safe.unsqueeze(-1)).exp_()
@@ -108,12 +110,12 @@ def quant_partial_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Ten
     return state
 
 
-def quant_mass_codes(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, lse: torch.Tensor,
+def quant_mass_codes(q: torch.Tensor, seg: QuantSegment, mask: torch.Tensor | None, lse: torch.Tensor,
                      block: int | None = None) -> torch.Tensor:
     """Attention probability of each key of the segment (`lse` [B, H, M]: the rows' log-sum-exp over all keys),
     summed over the rows: [B, H, T]."""
     cols = []
     for start, stop, part in blocks(seg, q.shape[2], block):
-        s = _masked(block_scores(q, part), key_valid, start, stop)
+        s = _masked(block_scores(q, part), mask, start, stop)
         cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
     return torch.cat(cols, -1)
