@@ -107,7 +107,10 @@ def decode_attention(
                 q_seg = rotated_q.get(id(seg.k_rotation))
                 if q_seg is None:
                     q_seg = rotated_q[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
-            if use_triton:
+            # the Triton kernel takes one key mask for all rows: a per-row mask goes through the torch path
+            seg_triton = use_triton and (seg_mask is None or seg_mask.shape[2] == 1
+                                         or bool((seg_mask == seg_mask[:, :, -1:]).all()))
+            if seg_triton:
                 from .triton_decode import quant_partial_triton
 
                 part = quant_partial_triton(q_seg, seg, key_valid)
@@ -119,7 +122,7 @@ def decode_attention(
                 if pending is not None:
                     partials.append(_unrotated(*pending))
                 pending = (seg.v_rotation, part)
-            quant_spans.append((seg, start, stop, key_valid, seg_mask, q_seg))
+            quant_spans.append((seg, start, stop, key_valid, seg_mask, q_seg, seg_triton))
         else:
             if hidden is not None:
                 cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
@@ -137,8 +140,8 @@ def decode_attention(
     mass = None
     if return_mass:
         mass = q.new_zeros((b, kv_heads, total))
-        for seg, start, stop, key_valid, seg_mask, q_seg in quant_spans:
-            if use_triton:
+        for seg, start, stop, key_valid, seg_mask, q_seg, seg_triton in quant_spans:
+            if seg_triton:
                 from .triton_decode import quant_mass_triton
 
                 mass[..., start:stop] = quant_mass_triton(q_seg, seg, key_valid, lse)

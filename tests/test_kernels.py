@@ -211,7 +211,8 @@ def test_torch_path_blocks_bound_their_buffers():
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
-def test_decode_attention_per_row_window_mask():
+@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+def test_decode_attention_per_row_window_mask(use_triton):
     """A sliding window over a chunk of queries: each query row hides a different number of the oldest quantized keys
     (what Gemma-3's sliding layers ask during a chunked prefill); every row must match the reference."""
     seg = quant_segment(1, 2, 64, 64, 2, 2, seed=9)
@@ -223,6 +224,6 @@ def test_decode_attention_per_row_window_mask():
     q = torch.randn(1, 6, q_len, 64)
     ref, ref_mass = reference_attention(q, [seg, tail], mask)
     for return_mass in (False, True):
-        out, mass = decode_attention(q, [seg, tail], mask, return_mass=return_mass, use_triton=False, block=32)
+        out, mass = decode_attention(q, [seg, tail], mask, return_mass=return_mass, use_triton=use_triton, block=32)
         torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=4e-6, rtol=1e-5)
