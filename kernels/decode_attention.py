@@ -94,12 +94,11 @@ def decode_attention(
         stop = start + seg.tokens
         cmask = _column_mask(attention_mask, start, stop, q_len, total, causal_tail=isinstance(seg, FullSegment))
         hidden = _overlaid_columns(overlays, start, stop, query.device)
+        if hidden is not None:  # columns an overlay replaces: masked here, the overlay attends in their place
+            cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
         if isinstance(seg, QuantSegment):
             seg.check()
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
-            if hidden is not None:
-                key_valid = ~hidden.expand(b, -1) if key_valid is None else key_valid & ~hidden
-                cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
             # the torch path masks per query row (a sliding window hides old keys from the later rows of a chunk)
             seg_mask = rows_mask(cmask, group) if cmask is not None and cmask.shape[2] > 1 else cmask
             q_seg = q
@@ -124,8 +123,6 @@ def decode_attention(
                 pending = (seg.v_rotation, part)
             quant_spans.append((seg, start, stop, key_valid, seg_mask, q_seg, seg_triton))
         else:
-            if hidden is not None:
-                cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
             dense.append((seg, start, cmask))
         start = stop
     if pending is not None:

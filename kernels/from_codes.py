@@ -56,13 +56,10 @@ def block_values(p: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
     d, vg = seg.head_dim, seg.v_group
     codes, shifted = _codes(seg.v_codes, seg.v_bits, d, "codes_v")
     scale, zero = seg.v_scale.float().transpose(-1, -2), seg.v_zero.float()  # [B, H, J, T], [B, H, T, J]
-    if scale.shape[-2] == 1:  # one group per token: one matmul
-        out = torch.matmul(p * scale, codes)
-    else:
-        out = torch.empty(b, h, m, d, dtype=p.dtype, device=p.device)
-        for j in range(scale.shape[-2]):
-            cols = slice(j * vg, (j + 1) * vg)
-            torch.matmul(p * scale[..., j : j + 1, :], codes[..., cols], out=out[..., cols])
+    out = torch.empty(b, h, m, d, dtype=p.dtype, device=p.device)
+    for j in range(scale.shape[-2]):  # one matmul per value group (one in all when a group spans the head)
+        cols = slice(j * vg, (j + 1) * vg)
+        torch.matmul(p * scale[..., j : j + 1, :], codes[..., cols], out=out[..., cols])
     if shifted:
         out.mul_(lane_factors(seg.v_bits, d, p.device))
     return out.add_(torch.matmul(p, zero).repeat_interleave(vg, -1))
