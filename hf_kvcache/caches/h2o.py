@@ -738,8 +738,9 @@ class H2OCache(CompressedCache):
 
     def __init__(self, config: Any = None, **options: Any) -> None:
         super().__init__(config, **options)
-        if self.options.make_policy().needs_rope():
-            self._attach_rope(config)
+        policy = self.options.make_policy()
+        if policy.needs_rope():
+            self._attach_rope(config, policy.future)
         if self.options.pyramid:
             if config is None:
                 raise ValueError("pyramid (per-layer budgets) needs the model config: H2OCache(config=model.config, ...)")
@@ -750,9 +751,10 @@ class H2OCache(CompressedCache):
                 layer.budget_scale = scale
     needs_attention_mass = True  # generate(cache_implementation=...) switches the model to the hf_kvcache attention
 
-    def _attach_rope(self, config: Any) -> None:
-        """Give every evicting layer the model's RoPE (`KeyRotation`), for a policy that moves queries with it."""
-        what = f"policy={self.options.policy!r} with future={self.options.make_policy().future}"
+    def _attach_rope(self, config: Any, future: int) -> None:
+        """Give every evicting layer the model's RoPE (`KeyRotation`), for a policy that moves queries `future`
+        positions ahead with it."""
+        what = f"policy={self.options.policy!r} with future={future}"
         if config is None:
             raise ValueError(f"{what} moves the recent queries by the model's RoPE, which needs the config: "
                              "H2OCache(config=model.config, ...); or set future=0")
