@@ -20,6 +20,7 @@ import math
 import torch
 
 from .blockwise import combine, dense_partial, finish, rows_mask, scratch
+from . import native
 from .from_codes import quant_mass_codes, quant_partial_codes
 from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
 from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
@@ -69,6 +70,7 @@ def decode_attention(
     return_mass: bool = False,
     block: int | None = None,
     use_triton: bool | None = None,
+    use_native: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention of `query` [B, Hq, L, D] over `segments` (in key order).
 
@@ -76,7 +78,9 @@ def decode_attention(
     Quantized segments must precede the queries (they hold past tokens); full segments may hold the new ones.
     Returns (output [B, Hq, L, D] in the query dtype, mass [B, Hkv, T_total] or None): mass is the attention
     probability each key received, summed over the query heads of its KV group and the query positions.
-    `block`: tokens per block of the torch path (None: `from_codes.BLOCK_ELEMENTS` codes).
+    `block`: tokens per block of the torch path (None: `from_codes.BLOCK_ELEMENTS` codes). `use_triton` (default: on
+    CUDA) and `use_native` (default: on CPU where `native.supports` the segment; False keeps the torch path) pick the
+    kernel for quantized segments.
     """
     b, hq, q_len, d = query.shape
     segments, overlays = split_overlays(segments)
@@ -106,13 +110,16 @@ def decode_attention(
                 q_seg = rotated_q.get(id(seg.k_rotation))
                 if q_seg is None:
                     q_seg = rotated_q[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
-            # the Triton kernel takes one key mask for all rows: a per-row mask goes through the torch path
-            seg_triton = use_triton and (seg_mask is None or seg_mask.shape[2] == 1
-                                         or bool((seg_mask == seg_mask[:, :, -1:]).all()))
+            # the Triton and native kernels take one key mask for all rows: a per-row mask goes through the torch path
+            seg_native = not use_triton and use_native is not False and native.supports(q_seg, seg)
+            kernel = (use_triton or seg_native) and _one_key_mask(seg_mask)
+            seg_triton = kernel and use_triton
             if seg_triton:
                 from .triton_decode import quant_partial_triton
 
                 part = quant_partial_triton(q_seg, seg, key_valid)
+            elif kernel:
+                part = native.quant_partial_native(q_seg, seg, key_valid)
             else:
                 part = quant_partial_codes(q_seg, seg, seg_mask, block)
             if pending is not None and pending[0] is seg.v_rotation:
@@ -149,6 +156,11 @@ def decode_attention(
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
             mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _one_key_mask(seg_mask: torch.Tensor | None) -> bool:
+    """Whether every query row sees the same keys (what the Triton and native kernels take)."""
+    return seg_mask is None or seg_mask.shape[2] == 1 or bool((seg_mask == seg_mask[:, :, -1:]).all())
 
 
 def _unrotated(v_rotation: Rotation | None, part):

@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from hf_kvcache.kernels import native
 from hf_kvcache.kernels.decode_attention import decode_attention, reference_attention
 from hf_kvcache.kernels.kivi_pack import (
     kivi_keys_reference,
@@ -17,6 +18,24 @@ from hf_kvcache.kernels.kivi_pack import (
 from hf_kvcache.kernels.segments import FullSegment, QuantSegment
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET before triton loads"
+
+
+# the three kernels of a quantized segment: the torch path (from_codes), the compiled CPU kernel, Triton (interpreted)
+PATHS = {
+    "torch": dict(use_triton=False, use_native=False),
+    "native": dict(use_triton=False, use_native=None),
+    "triton": dict(use_triton=True),
+}
+each_path = pytest.mark.parametrize("path", list(PATHS))
+
+
+def kernel(path: str) -> dict:
+    """decode_attention's keyword arguments for `path` (skips the native one where no C compiler works)."""
+    if path == "native":
+        ok, why = native.available()
+        if not ok:
+            pytest.skip(f"the native CPU kernel is unavailable here: {why}")
+    return PATHS[path]
 
 
 def quant_segment(b, h, t, d, k_bits, v_bits, k_group=32, v_group=32, seed=0):
@@ -54,12 +73,12 @@ def left_padded_mask(b, q_len, total, pads):
     return mask
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@each_path
 @pytest.mark.parametrize(
     "batch,kv_heads,group,q_len,pads",
     [(1, 3, 3, 1, None), (3, 2, 7, 2, (0, 5, 40)), (3, 1, 1, 16, (3, 0, 9)), (2, 3, 3, 5, None)],
 )
-def test_decode_attention_matches_reference(use_triton, batch, kv_heads, group, q_len, pads):
+def test_decode_attention_matches_reference(path, batch, kv_heads, group, q_len, pads):
     d = 64
     g = torch.Generator().manual_seed(7)
     segments = [
@@ -73,25 +92,29 @@ def test_decode_attention_matches_reference(use_triton, batch, kv_heads, group, 
     mask = None if pads is None else left_padded_mask(batch, q_len, total, pads)
     q = torch.randn(batch, kv_heads * group, q_len, d, generator=g)
     ref_out, ref_mass = reference_attention(q, segments, mask)
-    out, mass = decode_attention(q, segments, mask, return_mass=True, use_triton=use_triton, block=64)
-    torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
+    out, mass = decode_attention(q, segments, mask, return_mass=True, **kernel(path), block=64)
+    # the native kernel sums in another order (-ffast-math; measured 3.0e-6), as the torch path's blocks do
+    torch.testing.assert_close(out, ref_out, atol=4e-6 if path == "native" else 2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
     assert mass.shape == (batch, kv_heads, total)
     if pads is not None:
         assert all(float(mass[i, :, :p].abs().sum()) == 0 for i, p in enumerate(pads))
-    if not use_triton:  # the torch path in blocks of several sizes (scales folded in: fp32 sums in another order)
+    if path == "torch":  # the torch path in blocks of several sizes (scales folded in: fp32 sums in another order)
         for block in (64, 100, 2048, None):
-            blocked, none = decode_attention(q, segments, mask, block=block, use_triton=False)
+            blocked, none = decode_attention(q, segments, mask, block=block, **kernel(path))
             assert none is None
             torch.testing.assert_close(blocked, ref_out, atol=4e-6, rtol=1e-5)
 
 
 def test_decode_attention_odd_lengths_and_3bit():
+    """3-bit codes (packed 8 codes in 3 bytes): the Triton kernel and the torch path; the native kernel has no variant
+    for them, so decode_attention keeps the torch path there."""
     seg = quant_segment(2, 1, 32 * 3, 64, 3, 3, k_group=32, v_group=64)
     q = torch.randn(2, 5, 1, 64)
     ref, _ = reference_attention(q, [seg])
-    for use_triton in (False, True):
-        out, _ = decode_attention(q, [seg], use_triton=use_triton, block=64)
+    assert not native.supports(q.view(2, 1, 5, 64), seg)
+    for path in PATHS:
+        out, _ = decode_attention(q, [seg], **PATHS[path], block=64)
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
@@ -105,9 +128,9 @@ def test_kernels_compile_for_hopper():
     assert "compiled 8 kernel variants for sm_90" in proc.stdout
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@each_path
 @pytest.mark.parametrize("kind", ["matrix", "hadamard"])
-def test_decode_attention_rotated_segment(use_triton, kind):
+def test_decode_attention_rotated_segment(path, kind):
     """Keys/values stored as k @ R, v @ R (R a dense orthogonal matrix, or the Walsh-Hadamard transform the tiered
     cache holds): attention must equal attention over the unrotated tensors."""
     from hf_kvcache.quant.rotation import hadamard_rotation, rotate
@@ -122,18 +145,18 @@ def test_decode_attention_rotated_segment(use_triton, kind):
     q = torch.randn(2, 6, 1, 64, generator=g)
     ref, ref_mass = reference_attention(q, [seg])
     exact, _ = reference_attention(q, [FullSegment(k, v)])
-    out, mass = decode_attention(q, [seg], return_mass=True, use_triton=use_triton)
+    out, mass = decode_attention(q, [seg], return_mass=True, **kernel(path))
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(out, exact, atol=0.05, rtol=0.05)  # 8-bit codes: close to the unquantized result
-    packed, _ = decode_attention(q, [seg, FullSegment(k[:, :, :5], v[:, :, :5])], block=32, use_triton=use_triton)
+    packed, _ = decode_attention(q, [seg, FullSegment(k[:, :, :5], v[:, :, :5])], block=32, **kernel(path))
     ref, _ = reference_attention(q, [seg, FullSegment(k[:, :, :5], v[:, :, :5])])
     torch.testing.assert_close(packed, ref, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@each_path
 @pytest.mark.parametrize("pads", [None, (0, 2)], ids=["no-mask", "left-padded"])
-def test_decode_attention_overlay_replaces_positions(use_triton, pads):
+def test_decode_attention_overlay_replaces_positions(path, pads):
     """A full-precision overlay (attention sinks) over the first positions of a quantized segment: those positions
     attend to the overlay's keys/values, never to the codes under it, and their mass lands on those positions."""
     g = torch.Generator().manual_seed(11)
@@ -145,22 +168,22 @@ def test_decode_attention_overlay_replaces_positions(use_triton, pads):
     mask = None if pads is None else left_padded_mask(b, 1, 69, pads)
     q = torch.randn(b, h * 3, 1, d, generator=g)
     ref_out, ref_mass = reference_attention(q, segments, mask)
-    out, mass = decode_attention(q, segments, mask, return_mass=True, use_triton=use_triton, block=32)
+    out, mass = decode_attention(q, segments, mask, return_mass=True, **kernel(path), block=32)
     torch.testing.assert_close(out, ref_out, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
     assert mass.shape == (b, h, 69)
-    packed, _ = decode_attention(q, segments, mask, use_triton=use_triton, block=32)
+    packed, _ = decode_attention(q, segments, mask, **kernel(path), block=32)
     torch.testing.assert_close(packed, ref_out, atol=2e-6, rtol=1e-5)
     # the overlay really replaced the codes: without it the result differs
-    no_overlay, _ = decode_attention(q, [seg, tail], mask, use_triton=use_triton, block=32)
+    no_overlay, _ = decode_attention(q, [seg, tail], mask, **kernel(path), block=32)
     assert (no_overlay - out).abs().max() > 1e-3
     with pytest.raises(ValueError, match="outside"):
         decode_attention(q, [tail, FullSegment(tail.keys, tail.values, overlay_at=3)])
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
+@each_path
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_decode_attention_half_precision_queries(use_triton, dtype):
+def test_decode_attention_half_precision_queries(path, dtype):
     """fp16 / bf16 queries and a 16-bit tail: the output comes back in the query dtype, equal to the float32
     reference up to that dtype's rounding."""
     g = torch.Generator().manual_seed(5)
@@ -169,7 +192,7 @@ def test_decode_attention_half_precision_queries(use_triton, dtype):
     q = torch.randn(2, 9, 2, 64, generator=g).to(dtype)
     ref, _ = reference_attention(q.float(), [seg, tail])
     for return_mass in (False, True):
-        out, _ = decode_attention(q, [seg, tail], use_triton=use_triton, return_mass=return_mass, block=32)
+        out, _ = decode_attention(q, [seg, tail], **kernel(path), return_mass=return_mass, block=32)
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), ref, atol=1e-2, rtol=1e-2)
 
@@ -211,8 +234,8 @@ def test_torch_path_blocks_bound_their_buffers():
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("use_triton", [False, True], ids=["torch", "triton"])
-def test_decode_attention_per_row_window_mask(use_triton):
+@each_path
+def test_decode_attention_per_row_window_mask(path):
     """A sliding window over a chunk of queries: each query row hides a different number of the oldest quantized keys
     (what Gemma-3's sliding layers ask during a chunked prefill); every row must match the reference."""
     seg = quant_segment(1, 2, 64, 64, 2, 2, seed=9)
@@ -224,6 +247,97 @@ def test_decode_attention_per_row_window_mask(use_triton):
     q = torch.randn(1, 6, q_len, 64)
     ref, ref_mass = reference_attention(q, [seg, tail], mask)
     for return_mass in (False, True):
-        out, mass = decode_attention(q, [seg, tail], mask, return_mass=return_mass, use_triton=use_triton, block=32)
+        out, mass = decode_attention(q, [seg, tail], mask, return_mass=return_mass, **kernel(path), block=32)
         torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=4e-6, rtol=1e-5)
+
+
+def native_or_skip():
+    ok, why = native.available()
+    if not ok:
+        pytest.skip(f"the native CPU kernel is unavailable here: {why}")
+
+
+@pytest.mark.parametrize(
+    "d,k_bits,v_bits,k_group,v_group",
+    [(64, 2, 2, 64, 64), (64, 4, 4, 32, 32), (64, 8, 8, 16, 64), (128, 2, 4, 32, 16), (64, 4, 2, 64, 32),
+     (256, 8, 2, 32, 256), (128, 2, 8, 48, 128)],
+)
+@pytest.mark.parametrize("chunks", [1, 3, 40])
+def test_native_partial_matches_torch_path(d, k_bits, v_bits, k_group, v_group, chunks):
+    """The compiled kernel's softmax partial equals the torch path's, for each head dim and width it has a variant
+    for, with a left-padding key mask and the tokens split into chunks (more chunks than key groups: empty ones)."""
+    native_or_skip()
+    from hf_kvcache.kernels.from_codes import quant_partial_codes
+
+    b, h, m, t = 2, 3, 5, k_group * 6
+    seg = quant_segment(b, h, t, d, k_bits, v_bits, k_group=k_group, v_group=v_group, seed=d + k_bits)
+    q = torch.randn(b, h, m, d, generator=torch.Generator().manual_seed(1)) / d**0.5
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, : k_group + 7] = False  # row 1 left-padded over more than a key group
+    assert native.supports(q, seg)
+    ref = quant_partial_codes(q, seg, valid.view(b, 1, 1, t))
+    got = native.quant_partial_native(q, seg, valid, chunks=chunks)
+    torch.testing.assert_close(got[0], ref[0], atol=2e-6, rtol=1e-5)  # row max
+    ref_out, got_out = ref[2] / ref[1].unsqueeze(-1), got[2] / got[1].unsqueeze(-1)
+    # both sum in fp32 in different orders (the kernel under -ffast-math): measured up to 3.8e-6 apart
+    torch.testing.assert_close(got_out, ref_out, atol=5e-6, rtol=1e-5)
+    torch.testing.assert_close(got[1].log() + got[0], ref[1].log() + ref[0], atol=2e-6, rtol=1e-5)
+
+
+def test_native_row_that_sees_no_key():
+    """A batch row whose keys of this segment are all masked: max -inf, sum 0, output 0 (an empty partial), and
+    decode_attention still attends over the row's tail alone."""
+    native_or_skip()
+    seg = quant_segment(2, 2, 64, 64, 2, 2, seed=3)
+    valid = torch.ones(2, 64, dtype=torch.bool)
+    valid[0] = False
+    q = torch.randn(2, 2, 3, 64)
+    mx, total, acc = native.quant_partial_native(q, seg, valid, chunks=2)
+    assert torch.isneginf(mx[0]).all() and (total[0] == 0).all() and (acc[0] == 0).all()
+    assert torch.isfinite(mx[1]).all() and (total[1] > 0).all()
+    tail = FullSegment(torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 64))
+    mask = left_padded_mask(2, 1, 67, (64, 0))
+    ref, _ = reference_attention(q.view(2, 6, 1, 64), [seg, tail], mask)
+    out, _ = decode_attention(q.view(2, 6, 1, 64), [seg, tail], mask, use_native=True)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_native_supports_only_its_variants():
+    """No variant (so decode_attention keeps the torch path): 3-bit codes, head_dim 80, more than 16 rows, key groups
+    not a multiple of 16 tokens, queries on another device type."""
+    native_or_skip()
+    q = torch.randn(1, 1, 4, 64)
+    assert native.supports(q, quant_segment(1, 1, 64, 64, 2, 4))
+    assert not native.supports(q, quant_segment(1, 1, 64, 64, 3, 4))
+    assert not native.supports(torch.randn(1, 1, 4, 80), quant_segment(1, 1, 64, 80, 2, 2, v_group=16))
+    assert not native.supports(torch.randn(1, 1, 17, 64), quant_segment(1, 1, 64, 64, 2, 2))
+    assert not native.supports(q, quant_segment(1, 1, 64, 64, 2, 2, k_group=8))
+    assert not native.supports(q.to("meta"), quant_segment(1, 1, 64, 64, 2, 2))
+
+
+def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, caplog):
+    """No C compiler: `available()` says why (once, as a warning) and decode_attention uses the torch path; with one,
+    the library is built into HF_KVCACHE_NATIVE_DIR."""
+    seg = quant_segment(1, 2, 64, 64, 2, 2)
+    q = torch.randn(1, 6, 1, 64)
+    ref, _ = reference_attention(q, [seg])
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    with caplog.at_level("WARNING", logger="hf_kvcache.kernels.native"):
+        ok, why = native.available()
+        out, _ = decode_attention(q, [seg])
+    assert not ok and "no C compiler" in why and "no-such-cc" in why
+    assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    monkeypatch.delenv("CC")
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("HF_KVCACHE_NATIVE", "0")
+    assert native.available() == (False, "turned off by HF_KVCACHE_NATIVE=0")
+    monkeypatch.delenv("HF_KVCACHE_NATIVE")
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("HF_KVCACHE_NATIVE_DIR", str(tmp_path / "build"))
+    if native.available()[0]:
+        assert len(list((tmp_path / "build").glob("native_decode_*.so"))) == 1
+        out, _ = decode_attention(q, [seg], use_native=True)
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)

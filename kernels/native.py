@@ -1,0 +1,156 @@
+"""The CPU decode kernel compiled from C (`native_decode.c`): attention over a quantized segment straight from its
+packed codes, with no float copy of the codes in memory (the torch path of `from_codes` unpacks each block into
+scratch first and so reads and writes as many bytes as a full-precision cache would).
+
+The source is compiled once per machine with the system C compiler (`$CC`, else `cc`) at `-O3 -march=native
+-ffast-math -fopenmp` into `~/.cache/hf-kvcache/native/` (`$HF_KVCACHE_NATIVE_DIR` to move it), keyed by the
+source, the flags and the CPU, and loaded with `ctypes` (a foreign call releases the GIL). OpenMP resolves to the
+`libgomp` that torch already loaded, so both share one thread pool; the kernel runs on `torch.get_num_threads()`
+threads. Where no compiler works the kernel is unavailable (`available()` says why, once, as a warning) and the
+fused attention keeps its torch path; `HF_KVCACHE_NATIVE=0` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .blockwise import scratch
+from .segments import QuantSegment
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_decode.c")
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+CHUNK_TOKENS = 1024  # with several threads, tokens per task at least (tasks run on the threads; chunks merge by log-sum-exp)
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build_dir() -> Path:
+    return Path(os.environ.get("HF_KVCACHE_NATIVE_DIR") or Path.home() / ".cache" / "hf-kvcache" / "native")
+
+
+def _compile() -> ctypes.CDLL:
+    cc = shlex.split(os.environ.get("CC") or "cc")
+    if shutil.which(cc[0]) is None:
+        raise RuntimeError(f"no C compiler: {cc[0]!r} is not on PATH (set CC)")
+    source = SOURCE.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(cc + list(FLAGS)).encode(), _cpu_key().encode()])).hexdigest()
+    target = _build_dir() / f"native_decode_{key[:16]}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            run = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            if run.returncode:
+                raise RuntimeError(f"{' '.join(cc)} failed: {run.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)  # atomic: concurrent builders each write their own file
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.quant_partial.restype = i
+    lib.quant_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p, p,
+                                  i, i, p, p, p, p, p, p, p]
+    lib.native_supports.restype = i
+    lib.native_supports.argtypes = [i] * 6
+    return lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled kernel, built on first use; None (after one warning) where it cannot be built or is off."""
+    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
+        return None
+    if "lib" not in _state and "error" not in _state:
+        with _lock:
+            if "lib" not in _state and "error" not in _state:
+                try:
+                    _state["lib"] = _compile()
+                except (OSError, RuntimeError) as exc:
+                    _state["error"] = str(exc)
+                    logger.warning("hf_kvcache: the native CPU decode kernel is unavailable (%s); the fused "
+                                   "attention uses its torch path", exc)
+    return _state.get("lib")
+
+
+def available() -> tuple[bool, str]:
+    """(whether the kernel can run here, why not)."""
+    lib = library()
+    if lib is None:
+        return False, str(_state.get("error", "turned off by HF_KVCACHE_NATIVE=0"))
+    return True, ""
+
+
+def supports(q: torch.Tensor, seg: QuantSegment) -> bool:
+    """Whether the kernel takes these grouped queries [B, H, M, D] over this segment (CPU, M <= 16 rows, head_dim
+    64 / 128 / 256, 2, 4 or 8 bits, key groups a multiple of 16 tokens)."""
+    if q.device.type != "cpu" or seg.k_codes.device.type != "cpu":
+        return False
+    lib = library()
+    return lib is not None and bool(lib.native_supports(q.shape[2], q.shape[3], seg.k_bits, seg.v_bits, seg.k_group,
+                                                        seg.v_group))
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _bytes_strides(codes: torch.Tensor) -> torch.Tensor:
+    return codes if codes.stride(-1) == 1 else codes.contiguous()
+
+
+def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,
+                         chunks: int | None = None):
+    """Softmax partial (row max, row sum, unnormalized output) of grouped, scaled queries `q` [B, H, M, D] (in the
+    segment's key basis) over the segment, as `from_codes.quant_partial_codes`; `key_valid` [B, T] boolean (one
+    key mask for every row) or None. `chunks`: how many token chunks the work splits into (default: two tasks per
+    thread where the tokens allow, one per row and head on one thread). Call only where `supports` says so."""
+    lib = library()
+    b, h, m, d = q.shape
+    t = seg.tokens
+    threads = torch.get_num_threads()
+    if chunks is None:
+        chunks = 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // (b * h))))
+    q = q.float().contiguous()
+    kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
+    ks, kz, vs, vz = (x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
+    valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
+    work = scratch("native_scores", b * h * m * t, torch.float32, q.device)
+    cmx = torch.empty(b, h, chunks, m)
+    csum = torch.empty(b, h, chunks, m)
+    cacc = torch.empty(b, h, chunks, m, d)
+    mx, total, acc = torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d)
+    rc = lib.quant_partial(
+        _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.k_bits, seg.k_group, _ptr(ks), _ptr(kz),
+        _ptr(vc), *vc.stride()[:3], seg.v_bits, seg.v_group, _ptr(vs), _ptr(vz), _ptr(valid), chunks, threads,
+        _ptr(work), _ptr(cmx), _ptr(csum), _ptr(cacc), _ptr(mx), _ptr(total), _ptr(acc),
+    )
+    if rc:
+        raise ValueError(f"the native kernel has no variant for this segment ({seg.k_bits}/{seg.v_bits} bits, "
+                         f"head_dim {d}, {m} rows, key group {seg.k_group}): check `supports` first")
+    return mx, total, acc
+
+
+__all__ = ["available", "library", "quant_partial_native", "supports"]

@@ -1,0 +1,249 @@
+/* Decode attention over one quantized segment, computed from its packed codes on the CPU (see native.py).
+
+   For every (batch row b, KV head h) the M query rows of the head's group attend over the segment's T tokens:
+   keys are codes per channel in groups of `kgroup` tokens (k = code * ks[g] + kz[g]), values codes per token in
+   groups of `vgroup` channels (v = code * vs[t, j] + vz[t, j]); codes of one token are packed along the channel dim,
+   `8 / bits` per byte, lowest channel in the lowest bits. The result is a softmax partial per row: its max, its sum
+   of exp(score - max) and the unnormalized output, as `blockwise.combine` merges them.
+
+   Nothing is dequantized into memory: the scale of a key group is folded into the query (one scaled query per group
+   and row), its zero into one bias per row; a tile of up to 64 tokens is unpacked into a small float buffer that
+   stays in L1 and is read by every row of the group. Values: each token's codes times its scales, then one
+   multiply-add per row and channel; the zeros add one dot product per row and group.
+
+   Work is split into tasks of (b, h, token chunk), run on OpenMP threads; chunks merge by their log-sum-exp.
+   Masked keys (`valid` == 0) score NEG, so exp gives exactly 0 without the infinities that -ffast-math excludes;
+   a row that sees no key reports max -inf, sum 0, output 0. */
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define MAXM 16           /* query rows per KV head */
+#define MAXD 256          /* head dim */
+#define MAXTG 64          /* tokens per tile */
+#define NEG (-3.0e38f)    /* a masked score */
+#define INLINE static inline __attribute__((always_inline))
+
+INLINE uint32_t load32(const uint8_t* p) {
+    uint32_t w;
+    memcpy(&w, p, 4);
+    return w;
+}
+
+/* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of codes kc (row stride kc_st bytes), group scales and
+   zeros ks, kz [groups, D]. TG (a divisor of kgroup) tokens per tile. */
+INLINE void scores(const float* q, int M, const int D, const uint8_t* kc, int64_t kc_st, int kbits, int kgroup,
+                   const float* ks, const float* kz, int n, float* s, const int TG) {
+    const int kper = 8 / kbits, words = D / kper / 4, mask = (1 << kbits) - 1;
+    float qs[MAXM * MAXD], bias[MAXM];
+    float cbt[MAXD * MAXTG] __attribute__((aligned(64)));  /* cbt[d * TG + tt]: code of channel d, token tt */
+    uint32_t trw[MAXD / 4 * MAXTG] __attribute__((aligned(64)));  /* trw[w * TG + tt]: code bytes 4w..4w+3 */
+    for (int g0 = 0; g0 < n; g0 += kgroup) {
+        const int64_t g = g0 / kgroup;
+        const int g1 = g0 + kgroup < n ? g0 + kgroup : n;
+        for (int m = 0; m < M; m++) {  /* the row times the group's scales, and times its zeros */
+            float b = 0.f;
+            for (int d = 0; d < D; d++) {
+                b += q[m * D + d] * kz[g * D + d];
+                qs[m * D + d] = q[m * D + d] * ks[g * D + d];
+            }
+            bias[m] = b;
+        }
+        for (int t0 = g0; t0 < g1; t0 += TG) {
+            const int nt = g1 - t0 < TG ? g1 - t0 : TG;
+            for (int tt = 0; tt < nt; tt++) {
+                const uint8_t* row = kc + (int64_t)(t0 + tt) * kc_st;
+                for (int w = 0; w < words; w++) trw[w * TG + tt] = load32(row + 4 * w);
+            }
+            for (int w = 0; w < words; w++)  /* byte 4w + k / kper, lane k % kper: channel 4 w kper + k */
+                for (int k = 0; k < 4 * kper; k++) {
+                    const int sh = 8 * (k / kper) + kbits * (k % kper);
+                    float* c = cbt + (4 * w * kper + k) * TG;
+                    const uint32_t* src = trw + w * TG;
+                    for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask);
+                }
+            for (int m = 0; m < M; m++) {
+                float acc[MAXTG] __attribute__((aligned(64)));
+                for (int tt = 0; tt < TG; tt++) acc[tt] = bias[m];
+                for (int d = 0; d < D; d++) {
+                    const float wd = qs[m * D + d];
+                    const float* c = cbt + d * TG;
+                    for (int tt = 0; tt < TG; tt++) acc[tt] += wd * c[tt];
+                }
+                memcpy(s + (int64_t)m * n + t0, acc, nt * sizeof(float));
+            }
+        }
+    }
+}
+
+/* exp(s - row max) in place; the row max (NEG when every key is masked) and the row sum out. */
+static void softmax_rows(float* s, int M, int n, float* mx_out, float* sum_out) {
+    for (int m = 0; m < M; m++) {
+        float* sm = s + (int64_t)m * n;
+        float mx = NEG;
+        for (int t = 0; t < n; t++) mx = sm[t] > mx ? sm[t] : mx;
+        const float ms = mx <= 0.5f * NEG ? 0.f : mx;
+        float tot = 0.f;
+        for (int t = 0; t < n; t++) {
+            sm[t] = expf(sm[t] - ms);
+            tot += sm[t];
+        }
+        mx_out[m] = mx;
+        sum_out[m] = tot;
+    }
+}
+
+/* c[l * vpb + j] = code of lane l of byte j, times sj[j] (vpb = D * bits / 8 bytes). */
+INLINE void unpack_scaled(const uint8_t* row, const float* sj, float* c, const int D, const int bits) {
+    const int per = 8 / bits, vpb = D / per, mask = (1 << bits) - 1;
+    for (int l = 0; l < per; l++)
+        for (int j = 0; j < vpb; j++) c[l * vpb + j] = (float)((row[j] >> (bits * l)) & mask) * sj[j];
+}
+
+/* out[m, d] = sum_t p[m * n + t] v[t, d] from value codes vc (row stride vc_st), scales and zeros vs, vz [n, J].
+   Codes unpack lane by lane: lane l of byte j is channel j * vper + l, held at i = l * vpb + j. */
+INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
+                   const float* vs, const float* vz, int n, float* out) {
+    const int vper = 8 / vbits, vpb = D / vper, J = D / vgroup;
+    float acc[MAXM * MAXD] __attribute__((aligned(64)));
+    float accz[MAXM * MAXD];
+    float cw[MAXTG * MAXD] __attribute__((aligned(64)));  /* cw[tt * D + i]: code times its scale */
+    int grp[MAXD];                                          /* the scale group of byte j */
+    for (int j = 0; j < vpb; j++) grp[j] = j * vper / vgroup;
+    memset(acc, 0, sizeof(float) * M * D);
+    memset(accz, 0, sizeof(float) * M * J);
+    for (int t0 = 0; t0 < n; t0 += MAXTG) {
+        const int nt = n - t0 < MAXTG ? n - t0 : MAXTG;
+        for (int tt = 0; tt < nt; tt++) {
+            const uint8_t* row = vc + (int64_t)(t0 + tt) * vc_st;
+            const float* sc = vs + (int64_t)(t0 + tt) * J;
+            float sj[MAXD] __attribute__((aligned(64)));
+            for (int j = 0; j < vpb; j++) sj[j] = sc[grp[j]];
+            float* c = cw + tt * D;
+            switch (vbits) {  /* the width as a constant, so that the loops unroll into whole vectors */
+                case 2: unpack_scaled(row, sj, c, D, 2); break;
+                case 4: unpack_scaled(row, sj, c, D, 4); break;
+                default: unpack_scaled(row, sj, c, D, 8); break;
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            float a[MAXD] __attribute__((aligned(64)));
+            memcpy(a, acc + m * D, D * sizeof(float));
+            const float* pm = p + (int64_t)m * n + t0;
+            for (int tt = 0; tt < nt; tt++) {
+                const float pt = pm[tt];
+                const float* c = cw + tt * D;
+                for (int i = 0; i < D; i++) a[i] += pt * c[i];
+            }
+            memcpy(acc + m * D, a, D * sizeof(float));
+            const float* z = vz + (int64_t)t0 * J;
+            for (int j = 0; j < J; j++) {
+                float zj = 0.f;
+                for (int tt = 0; tt < nt; tt++) zj += pm[tt] * z[tt * J + j];
+                accz[m * J + j] += zj;
+            }
+        }
+    }
+    for (int m = 0; m < M; m++)
+        for (int l = 0; l < vper; l++)
+            for (int j = 0; j < vpb; j++) {
+                const int d = j * vper + l;
+                out[m * D + d] = acc[m * D + l * vpb + j] + accz[m * J + d / vgroup];
+            }
+}
+
+/* One task: the partial of rows q[M, D] over n tokens (pointers already at the chunk's first token). */
+INLINE void chunk_partial(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
+                          int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st,
+                          int vbits, int vgroup, const float* vs, const float* vz, const uint8_t* valid,
+                          float* s, float* mx, float* sum, float* acc, const int TG) {
+    scores(q, M, D, kc, kc_st, kbits, kgroup, ks, kz, n, s, TG);
+    if (valid)
+        for (int t = 0; t < n; t++)
+            if (!valid[t])
+                for (int m = 0; m < M; m++) s[(int64_t)m * n + t] = NEG;
+    softmax_rows(s, M, n, mx, sum);
+    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, n, acc);
+}
+
+#define VARIANT(DD, TT)                                                                                          \
+    if (D == DD && TG == TT) {                                                                                   \
+        chunk_partial(q, M, DD, n, kc, kc_st, kbits, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, valid, s, \
+                      mx, sum, acc, TT);                                                                         \
+        return;                                                                                                  \
+    }
+#define TILES(DD) VARIANT(DD, 64) VARIANT(DD, 32) VARIANT(DD, 16)
+
+static void dispatch(const float* q, int M, int D, int n, const uint8_t* kc, int64_t kc_st, int kbits, int kgroup,
+                     const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
+                     const float* vs, const float* vz, const uint8_t* valid, float* s, float* mx, float* sum,
+                     float* acc, int TG) {
+    TILES(64) TILES(128) TILES(256)
+}
+
+static int tile_for(int kgroup) { return kgroup % 64 == 0 ? 64 : kgroup % 32 == 0 ? 32 : kgroup % 16 == 0 ? 16 : 0; }
+
+/* 1 when this file has a variant for the shape (the caller falls back to its torch path otherwise). */
+int native_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
+    int bits_ok = (kbits == 2 || kbits == 4 || kbits == 8) && (vbits == 2 || vbits == 4 || vbits == 8);
+    return M >= 1 && M <= MAXM && (D == 64 || D == 128 || D == 256) && bits_ok && tile_for(kgroup) > 0 &&
+           vgroup > 0 && D % vgroup == 0;
+}
+
+/* The softmax partial over one segment for every (b, h): mx_out, sum_out [B, H, M], acc_out [B, H, M, D].
+   q [B, H, M, D] float32 contiguous; kc, vc uint8 with element strides (b, h, token) and contiguous bytes;
+   ks, kz [B, H, T / kgroup, D] and vs, vz [B, H, T, D / vgroup] float32 contiguous; valid [B, T] uint8 or NULL.
+   The token range splits into `chunks` chunks (whole key groups); work holds B H M T floats, cmx and csum
+   B H chunks M, cacc B H chunks M D. Returns 1 (and computes nothing) for an unsupported shape. */
+int quant_partial(const float* q, int B, int H, int M, int D, int T,
+                  const uint8_t* kc, int64_t kc_sb, int64_t kc_sh, int64_t kc_st, int kbits, int kgroup,
+                  const float* ks, const float* kz,
+                  const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
+                  const float* vs, const float* vz, const uint8_t* valid, int chunks, int threads,
+                  float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
+    if (!native_supports(M, D, kbits, vbits, kgroup, vgroup) || T % kgroup || chunks < 1) return 1;
+    const int G = T / kgroup, J = D / vgroup, TG = tile_for(kgroup);
+    const int per = (G + chunks - 1) / chunks * kgroup;  /* tokens per chunk */
+    const int tasks = B * H * chunks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int task = 0; task < tasks; task++) {
+        const int64_t bh = task / chunks, b = bh / H, h = bh % H;
+        const int c = task % chunks, t0 = c * per, n = T - t0 < per ? T - t0 : per;
+        float* mx = cmx + (bh * chunks + c) * M;
+        float* sum = csum + (bh * chunks + c) * M;
+        float* acc = cacc + (bh * chunks + c) * M * D;
+        if (n <= 0) {
+            for (int m = 0; m < M; m++) mx[m] = NEG, sum[m] = 0.f;
+            memset(acc, 0, sizeof(float) * M * D);
+            continue;
+        }
+        dispatch(q + bh * M * D, M, D, n, kc + b * kc_sb + h * kc_sh + t0 * kc_st, kc_st, kbits, kgroup,
+                 ks + (bh * G + t0 / kgroup) * D, kz + (bh * G + t0 / kgroup) * D,
+                 vc + b * vc_sb + h * vc_sh + t0 * vc_st, vc_st, vbits, vgroup, vs + (bh * T + t0) * J,
+                 vz + (bh * T + t0) * J, valid ? valid + b * T + t0 : 0, work + (bh * T + t0) * M, mx, sum, acc, TG);
+    }
+    for (int64_t r = 0; r < (int64_t)B * H * M; r++) {  /* merge the chunks of each row */
+        const int64_t bh = r / M, m = r % M;
+        float mx = NEG;
+        for (int c = 0; c < chunks; c++) mx = cmx[(bh * chunks + c) * M + m] > mx ? cmx[(bh * chunks + c) * M + m] : mx;
+        float* out = acc_out + r * D;
+        memset(out, 0, sizeof(float) * D);
+        if (mx <= 0.5f * NEG) {  /* no key in any chunk */
+            const uint32_t minus_inf = 0xff800000u;
+            memcpy(&mx_out[r], &minus_inf, sizeof(float));
+            sum_out[r] = 0.f;
+            continue;
+        }
+        float tot = 0.f;
+        for (int c = 0; c < chunks; c++) {
+            const int64_t i = (bh * chunks + c) * M + m;
+            const float w = expf(cmx[i] - mx);
+            tot += csum[i] * w;
+            for (int d = 0; d < D; d++) out[d] += cacc[i * D + d] * w;
+        }
+        mx_out[r] = mx;
+        sum_out[r] = tot;
+    }
+    return 0;
+}
