@@ -176,6 +176,8 @@ def test_h2o_decay_fades_old_mass():
         (dict(budget=100, min_budget=10), "min_budget applies to a ratio budget"),
         (dict(min_budget=0), "min_budget must be a positive integer"),
         (dict(policy="knorm", head_budgets=True), "head_budgets shares a layer's budget across its heads"),
+        (dict(policy="tova", sinks_in_softmax=False), "sinks_in_softmax applies to the expected policy"),
+        (dict(policy="expected", sinks_in_softmax=1), "sinks_in_softmax must be True or False"),
     ],
 )
 def test_bad_options(options, match):
@@ -364,6 +366,43 @@ def test_select_across_heads_follows_the_score_mass():
     assert not keep[0, 1, :4].any()
 
 
+def test_select_across_heads_value_norm_reorders_within_a_head_only():
+    """With value_norm, per-head budgets still follow the attention: head 1's values are 100x larger, which must not
+    take the layer's budget from head 0 (the weighted priority is rescaled per head); inside a head the value norm
+    still ranks the tokens."""
+    slots = 10
+    window = torch.zeros(1, 2, 1, slots)
+    window[0, 0, 0] = torch.linspace(1.0, 0.5, slots)  # both heads spread their attention the same way
+    window[0, 1, 0] = torch.linspace(1.0, 0.5, slots)
+    values = torch.ones(1, 2, slots, 4)
+    values[0, 1] *= 100.0
+    values[0, 0, 9] *= 3.0  # head 0: its newest token's value is large: kept although its attention is the lowest
+    view = SlotView(None, torch.arange(slots).expand(1, 2, slots), torch.ones(1, 2, slots, dtype=torch.bool),
+                    window=window, values=values)
+    keep = POLICIES["tova"](value_norm=True).select_across_heads(view, budget=5, floor=0.2)
+    assert keep[0, 0].sum().item() == 5 and keep[0, 1].sum().item() == 5
+    assert keep[0, 0, 9] and not keep[0, 0, 5]
+
+
+def test_expected_sinks_out_of_the_softmax():
+    """sinks_in_softmax=False: each query head's expected attention sums to 1 over the evictable keys (so a group of
+    G heads gives G), whatever share the sinks would have taken."""
+    g = torch.Generator().manual_seed(3)
+    slots = 12
+    k = torch.randn(B, H, slots, D, generator=g)
+    k[:, :, 0] *= 4  # a strong sink
+    q = torch.randn(B, H * G, 8, D, generator=g)
+    view = SlotView(None, torch.arange(slots).expand(B, H, slots), torch.ones(B, H, slots, dtype=torch.bool),
+                    seen=slots, keys=k, queries=q, query_positions=torch.arange(4, 12),
+                    query_valid=torch.ones(B, 8, dtype=torch.bool), scaling=D**-0.5)
+    kw = dict(sink_length=2, future=0, value_norm=False)
+    inside = POLICIES["expected"](**kw).priority(view, 6)
+    outside = POLICIES["expected"](sinks_in_softmax=False, **kw).priority(view, 6)
+    assert torch.isinf(outside[..., :2]).all() and torch.isinf(inside[..., :2]).all()
+    torch.testing.assert_close(outside[..., 2:].sum(-1), torch.full((B, H), float(G)))
+    assert (inside[..., 2:].sum(-1) < G).all()
+
+
 def test_key_mask_masks_empty_slots_per_head():
     """The attention with a per-KV-head key mask equals SDPA per head over only the slots that head holds."""
     q, k, v = _attn_inputs()  # [2, 4, 3, D] queries over 7 keys (4 held + 3 new), 2 KV heads
@@ -407,7 +446,7 @@ def test_head_budgets_with_quant_bits_and_pyramid():
     assert (keys - ref)[held].abs().max() < 0.5
 
 
-@pytest.mark.parametrize("policy", ["tova", "snapkv", "h2o"])
+@pytest.mark.parametrize("policy", ["tova", "snapkv", "h2o", "expected"])
 def test_head_budgets_ragged_heads_stored_compactly(tiny_model, policy):
     model = tiny_model
     model.set_attn_implementation("hf_kvcache")

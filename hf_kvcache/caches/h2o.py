@@ -86,7 +86,8 @@ QUANT_BITS = (None, 8, 4, 2)
 WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
 VALUE_NORM_POLICIES = tuple(n for n, p in POLICIES.items() if p.ranks_by_attention)
 POLICY_OPTIONS = {  # policy-specific options: the policies they apply to
-    "pool": ("snapkv",), "future": ("expected",), "mass_share": ("expected",), "value_norm": VALUE_NORM_POLICIES,
+    "pool": ("snapkv",), "future": ("expected",), "mass_share": ("expected",),
+    "sinks_in_softmax": ("expected",), "value_norm": VALUE_NORM_POLICIES,
 }
 
 
@@ -105,7 +106,8 @@ class H2OOptions(CacheOptions):
     queries, in queries (default 32). `pool`: snapkv's pooling width over neighbouring slots (odd; default 1 = none).
     `future` (expected): the modelled queries are moved by RoPE to the next `future` positions (default 512; 0 keeps
     them where they are and needs no config); `mass_share` (expected, in [0, 1), default 0): the share of the
-    priority taken from the attention mass the tokens received (h2o's score). `value_norm` (h2o, hybrid, tova,
+    priority taken from the attention mass the tokens received (h2o's score); `sinks_in_softmax` (expected, default
+    True): False normalizes the expected attention over the evictable keys only (kvpress's choice). `value_norm` (h2o, hybrid, tova,
     snapkv, expected; default True for expected, False for the others): multiply each token's score by the norm of
     its value.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
@@ -115,7 +117,8 @@ class H2OOptions(CacheOptions):
     (1 - p) x in the last (same total). `min_budget`: with a ratio budget, never keep fewer than this many tokens
     (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
     `head_budgets`: per-head budgets inside a layer (Ada-KV): the layer keeps `budget x kv_heads` slots per row, shared
-    by the heads by score (each head keeps at least a fifth of the budget), stored compactly between forwards (a flat
+    by the heads by score (each head keeps at least a fifth of the budget; policies ranking by attention, received or
+    expected; a value-norm weighting is rescaled per head so that the heads compare by attention), stored compactly between forwards (a flat
     `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots.
     `shared_heads`: every KV head of a layer keeps the same tokens, ranked by the policy's priority averaged over the
     layer's KV heads (kvpress scores TOVA this way) instead of each head its own; in the question-aware passkey
@@ -137,6 +140,7 @@ class H2OOptions(CacheOptions):
     pool: int | None = None
     future: int | None = None
     mass_share: float | None = None
+    sinks_in_softmax: bool | None = None
     value_norm: bool | None = None
     quant_bits: int | None = None
     quant_group_size: int | None = None
@@ -201,9 +205,9 @@ class H2OOptions(CacheOptions):
                 check_int(name, v, lo=0, hint=" (upcoming positions; 0 = no RoPE shift)")
             elif name == "mass_share":
                 check_number(name, v, 0.0, 1.0, hi_open=True, hint=" (the share of the received attention mass)")
-            elif name == "value_norm":
+            elif name in ("value_norm", "sinks_in_softmax"):
                 if not isinstance(v, bool):
-                    raise ValueError(f"value_norm must be True or False, got {v!r}")
+                    raise ValueError(f"{name} must be True or False, got {v!r}")
             else:
                 check_positive_int(name, v)
         if self.pool is not None and self.pool % 2 == 0:
@@ -227,10 +231,10 @@ class H2OOptions(CacheOptions):
         if self.shared_heads and self.head_budgets:
             raise ValueError("shared_heads (one token set per layer) and head_budgets (a budget per head) exclude each "
                              "other: set one of them")
-        if self.head_budgets and (not policy.needs_scores or policy.uses_keys):
+        if self.head_budgets and not policy.ranks_by_attention:
             raise ValueError(
                 f"head_budgets shares a layer's budget across its heads by attention, which needs a policy whose "
-                f"scores compare across heads (h2o, hybrid, tova, snapkv), not {self.policy!r}"
+                f"scores compare across heads ({', '.join(VALUE_NORM_POLICIES)}), not {self.policy!r}"
             )
         if self.min_budget is not None:
             check_positive_int("min_budget", self.min_budget)

@@ -149,12 +149,22 @@ class EvictionPolicy:
         priority = self._ranked(view, budget, protect_last, shared)
         return priority.topk(budget, dim=-1, sorted=False).indices.sort(dim=-1).values
 
-    def _ranked(self, view: SlotView, budget: int, protect_last: int, shared: bool = False) -> torch.Tensor:
+    def _ranked(
+        self, view: SlotView, budget: int, protect_last: int, shared: bool = False, across_heads: bool = False
+    ) -> torch.Tensor:
         """`[batch, kv_heads, slots]` float32 priority: padding `-inf`, the `protect_last` newest real tokens `+inf`;
-        `shared`: averaged over the KV heads (protected slots stay `+inf`)."""
+        `shared`: averaged over the KV heads (protected slots stay `+inf`). `across_heads` (per-head budgets): with
+        `value_norm`, the weighted priority of each (row, head) is rescaled to the sum its unweighted priority had over
+        the head's unprotected real slots, so the value norms reorder a head's tokens but do not move budget between
+        heads: the heads still compare by attention (what Ada-KV compares), not by the scale of their values."""
         priority = self.priority(view, budget).float()
         if self.value_norm:  # protected slots (+inf) stay protected
             weighted = priority * view.values.float().norm(dim=-1)
+            if across_heads:
+                free = view.valid & priority.isfinite()
+                before = priority.masked_fill(~free, 0.0).sum(-1, keepdim=True)
+                after = weighted.masked_fill(~free, 0.0).sum(-1, keepdim=True)
+                weighted = weighted * (before / after.clamp_min(torch.finfo(torch.float32).tiny))
             priority = torch.where(priority.isinf(), priority, weighted)
         if shared:
             priority = priority.mean(1, keepdim=True).expand_as(priority)
@@ -168,14 +178,15 @@ class EvictionPolicy:
         """Per-head budgets (Ada-KV): `[batch, kv_heads, slots]` bool, the slots to keep, `budget * kv_heads` per row
         shared by the KV heads of a layer by priority (heads whose attention is spread keep more, peaked heads fewer),
         each head keeping at least `floor * budget` of its best slots (and its protected ones). Priorities must be
-        comparable across heads (attention-based ones are: each query head's attention sums to 1). None = keep all.
+        comparable across heads (attention-based ones are: each query head's attention, received or expected, sums to
+        1; value-norm weighting is rescaled per head, `_ranked`). None = keep all.
         Slots that hold no token (`positions < 0`) are never kept; the `protect_last` newest real tokens always are."""
         b, h, slots = view.valid.shape
         exists = view.positions >= 0
         total = budget * h
         if int(exists.sum(dim=(1, 2)).max()) <= total:
             return None
-        priority = self._ranked(view, budget, protect_last)
+        priority = self._ranked(view, budget, protect_last, across_heads=True)
         guaranteed = min(slots, max(0, int(floor * budget)))
         if guaranteed:  # each head's best slots rank above every unprotected slot of the layer
             top = priority.topk(guaranteed, dim=-1).indices

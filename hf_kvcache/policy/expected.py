@@ -18,6 +18,11 @@ one window of logits (what snapkv computes), never a `[head_dim, head_dim]` matr
 `mass_share` s in [0, 1) blends in the attention the held tokens actually received (h2o's accumulated mass): the
 priority is `(1 - s) E + s M`, E and M each normalized to sum 1 over the slots a row's head may evict (the sinks and
 recent window left out, whose mass would swamp the rest). Off by default; the README reports what it gave.
+
+`sinks_in_softmax=False` leaves the sinks out of the softmax (kvpress's ExpectedAttentionPress scores the keys after
+its sinks only): each query head then spreads a whole unit of expected attention over the evictable keys, so a head
+that sends most of its attention to the sinks weighs as much in its group's sum as one that does not. By default
+(True) the sinks take their share, as in the model's attention.
 """
 
 from __future__ import annotations
@@ -39,10 +44,13 @@ class ExpectedAttentionPolicy(EvictionPolicy):
     default_recent_share = 0.0
     default_value_norm = True
 
-    def __init__(self, *args, future: int = DEFAULT_FUTURE, mass_share: float = 0.0, **kwargs) -> None:
+    def __init__(
+        self, *args, future: int = DEFAULT_FUTURE, mass_share: float = 0.0, sinks_in_softmax: bool = True, **kwargs
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.future = future
         self.mass_share = mass_share
+        self.sinks_in_softmax = sinks_in_softmax
         if mass_share > 0:
             self.uses_mass = True  # the layer accumulates the attention mass (`view.scores`) for this instance
 
@@ -58,8 +66,9 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             view.queries, view.query_positions, view.query_valid, view.seen, self.future,
             view.rope if self.future > 0 else None, skip_before=self.sink_length,
         )
-        score = expected_attention(mean, spread, view.keys, view.valid, view.scaling)
         protected = view.first(sinks) | view.last(recent)
+        attended = view.valid if self.sinks_in_softmax else view.valid & ~view.first(sinks)
+        score = expected_attention(mean, spread, view.keys, attended, view.scaling)
         if self.mass_share > 0:
             free = view.valid & ~protected
             score = (1 - self.mass_share) * _share(score, free) + self.mass_share * _share(view.scores, free)
@@ -67,7 +76,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(window={self.window}, future={self.future}, value_norm={self.value_norm}, "
-                f"mass_share={self.mass_share})")
+                f"mass_share={self.mass_share}, sinks_in_softmax={self.sinks_in_softmax})")
 
 
 def _share(score: torch.Tensor, free: torch.Tensor) -> torch.Tensor:
