@@ -32,7 +32,8 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("native_decode.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
-CHUNK_TOKENS = 1024  # with several threads, tokens per task at least (tasks run on the threads; chunks merge by log-sum-exp)
+# with several threads: tokens per task at least (tasks run on the threads; their chunks merge by log-sum-exp)
+CHUNK_TOKENS = 1024
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none

@@ -107,9 +107,9 @@ class H2OOptions(CacheOptions):
     `future` (expected): the modelled queries are moved by RoPE to the next `future` positions (default 512; 0 keeps
     them where they are and needs no config); `mass_share` (expected, in [0, 1), default 0): the share of the
     priority taken from the attention mass the tokens received (h2o's score); `sinks_in_softmax` (expected, default
-    True): False normalizes the expected attention over the evictable keys only (kvpress's choice). `value_norm` (h2o, hybrid, tova,
-    snapkv, expected; default True for expected, False for the others): multiply each token's score by the norm of
-    its value.
+    True): False normalizes the expected attention over the evictable keys only (kvpress's choice). `value_norm`
+    (h2o, hybrid, tova, snapkv, expected; default True for expected, False for the others): multiply each token's
+    score by the norm of its value.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
     head), so `memory_stats()` shows the real bytes.
@@ -118,8 +118,9 @@ class H2OOptions(CacheOptions):
     (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
     `head_budgets`: per-head budgets inside a layer (Ada-KV): the layer keeps `budget x kv_heads` slots per row, shared
     by the heads by score (each head keeps at least a fifth of the budget; policies ranking by attention, received or
-    expected; a value-norm weighting is rescaled per head so that the heads compare by attention), stored compactly between forwards (a flat
-    `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts only the kept slots.
+    expected; a value-norm weighting is rescaled per head so that the heads compare by attention), stored compactly
+    between forwards (a flat `[slots, ...]` per tensor plus the count per row and head), so `memory_stats()` counts
+    only the kept slots.
     `shared_heads`: every KV head of a layer keeps the same tokens, ranked by the policy's priority averaged over the
     layer's KV heads (kvpress scores TOVA this way) instead of each head its own; in the question-aware passkey
     (SmolLM2, 20 % of 512 tokens kept) it took tova from 0 to 61 % and snapkv from 0 to 28 % (README).
