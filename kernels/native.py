@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -37,6 +38,7 @@ CHUNK_TOKENS = 1024
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none
+_off = threading.local()  # `turned_off()` sets `.depth` in this thread
 
 
 def _cpu_key() -> str:
@@ -80,9 +82,19 @@ def _compile() -> ctypes.CDLL:
     return lib
 
 
+@contextmanager
+def turned_off():
+    """Within the block (this thread), the fused attention keeps its torch path (benchmarks compare the two)."""
+    _off.depth = getattr(_off, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _off.depth -= 1
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (after one warning) where it cannot be built or is off."""
-    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
+    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0" or getattr(_off, "depth", 0):
         return None
     if "lib" not in _state and "error" not in _state:
         with _lock:
@@ -154,4 +166,4 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     return mx, total, acc
 
 
-__all__ = ["available", "library", "quant_partial_native", "supports"]
+__all__ = ["available", "library", "quant_partial_native", "supports", "turned_off"]

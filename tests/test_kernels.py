@@ -314,6 +314,9 @@ def test_native_supports_only_its_variants():
     assert not native.supports(torch.randn(1, 1, 17, 64), quant_segment(1, 1, 64, 64, 2, 2))
     assert not native.supports(q, quant_segment(1, 1, 64, 64, 2, 2, k_group=8))
     assert not native.supports(q.to("meta"), quant_segment(1, 1, 64, 64, 2, 2))
+    with native.turned_off():  # what the decode benchmark's torch-path variant runs under
+        assert not native.supports(q, quant_segment(1, 1, 64, 64, 2, 4))
+    assert native.supports(q, quant_segment(1, 1, 64, 64, 2, 4))
 
 
 def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, caplog):

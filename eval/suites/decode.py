@@ -3,7 +3,8 @@
 Caches (`--caches`; default DynamicCache, transformers' QuantizedCache quanto 2-bit when optimum-quanto is installed,
 and the tiered defaults) each prefill `--tokens` tokens of the text in chunks of `--chunk` (512). A cache the fused
 attention reads in place (`reads_fused`: tiered, KIVI) runs twice: through the dequantize path (`sdpa`: the layer
-expands its past every step) and through the fused attention (`hf_kvcache`). Then `--decode-steps` (64) single-token
+expands its past every step) and through the fused attention (`hf_kvcache`); on the CPU, where the compiled kernel
+(`kernels/native.py`) is available, a third time through the fused attention's torch path. Then `--decode-steps` (64) single-token
 steps are timed on the following tokens, the variants taking turns every 8 steps so that a slow spell of the machine
 hits every variant alike. Every variant runs in this one process; fp16 on CUDA, fp32 on the CPU.
 
@@ -17,11 +18,14 @@ fused path holds, allocated once).
 
 from __future__ import annotations
 
+import contextlib
+from dataclasses import dataclass
 import importlib.util
 import statistics
 import time
 
 import torch
+from hf_kvcache.kernels import native
 from hf_kvcache.kernels.blockwise import scratch_bytes
 
 from hf_kvcache.caches.base import memory_stats
@@ -41,55 +45,72 @@ def default_caches() -> list[str]:
     return ["DynamicCache=dynamic"] + ([QUANTO_2] if quanto else []) + ["tiered"]
 
 
-def variants(model, specs: list[CacheSpec]) -> list[tuple[str, str, CacheSpec]]:
-    """(label, attention implementation, spec): every cache through sdpa, fused-readable ones also fused."""
+@dataclass(frozen=True)
+class Variant:
+    label: str
+    attn: str  # the attention implementation the model runs
+    spec: CacheSpec
+    native: bool = True  # False: the fused attention keeps its torch path (`native.turned_off`)
+
+    def running(self):
+        return contextlib.nullcontext() if self.native else native.turned_off()
+
+
+def variants(model, specs: list[CacheSpec], device: str = "cpu") -> list[Variant]:
+    """Every cache through sdpa; fused-readable ones also fused (on the CPU with the compiled kernel, and through the
+    torch path too where that kernel is available)."""
     out = []
     for spec in specs:
         if getattr(spec.build(model), "reads_fused", False):
-            out += [(f"{spec.label}, dequantize + SDPA", "sdpa", spec), (f"{spec.label}, fused (hf_kvcache)",
-                                                                         "hf_kvcache", spec)]
+            out += [Variant(f"{spec.label}, dequantize + SDPA", "sdpa", spec),
+                    Variant(f"{spec.label}, fused (hf_kvcache)", "hf_kvcache", spec)]
+            if device == "cpu" and native.available()[0]:
+                out.append(Variant(f"{spec.label}, fused, torch path", "hf_kvcache", spec, native=False))
         else:
-            out.append((spec.label, "sdpa", spec))
+            out.append(Variant(spec.label, "sdpa", spec))
     return out
 
 
 @torch.inference_mode()
-def measure_interleaved(model, chosen: list[tuple[str, str, CacheSpec]], ids: torch.Tensor, context: int, steps: int,
+def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context: int, steps: int,
                         chunk: int, round_steps: int = 8) -> dict[str, dict]:
     """Prefill one cache per variant, then time their decode steps in turns of `round_steps` (A B C A B C ...);
     then one more step per variant under the peak-memory probe."""
     caches = {}
-    for name, attn, spec in chosen:
-        model.set_attn_implementation(attn)
-        caches[name] = spec.build(model)
-        if attn == "hf_kvcache":  # read in place while the model runs that attention (what generate sets up)
-            caches[name].bind(model)
-        for s in range(0, context, chunk):
-            model(input_ids=ids[:, s : min(s + chunk, context)], past_key_values=caches[name], use_cache=True)
+    for v in chosen:
+        model.set_attn_implementation(v.attn)
+        caches[v.label] = v.spec.build(model)
+        if v.attn == "hf_kvcache":  # read in place while the model runs that attention (what generate sets up)
+            caches[v.label].bind(model)
+        with v.running():
+            for s in range(0, context, chunk):
+                model(input_ids=ids[:, s : min(s + chunk, context)], past_key_values=caches[v.label], use_cache=True)
     step_ids = ids[:, context:]
-    times: dict[str, list[float]] = {name: [] for name, _, _ in chosen}
+    times: dict[str, list[float]] = {v.label: [] for v in chosen}
     try:
         for r0 in range(0, steps, round_steps):
-            for name, attn, _ in chosen:
-                model.set_attn_implementation(attn)
-                for i in range(r0, min(r0 + round_steps, steps)):
-                    t0 = time.perf_counter()
-                    model(input_ids=step_ids[:, i : i + 1], past_key_values=caches[name], use_cache=True)
-                    if ids.is_cuda:
-                        torch.cuda.synchronize()
-                    times[name].append(time.perf_counter() - t0)
+            for v in chosen:
+                model.set_attn_implementation(v.attn)
+                with v.running():
+                    for i in range(r0, min(r0 + round_steps, steps)):
+                        t0 = time.perf_counter()
+                        model(input_ids=step_ids[:, i : i + 1], past_key_values=caches[v.label], use_cache=True)
+                        if ids.is_cuda:
+                            torch.cuda.synchronize()
+                        times[v.label].append(time.perf_counter() - t0)
         out = {}
-        for name, attn, _ in chosen:
-            model.set_attn_implementation(attn)
-            cache = caches[name]
+        for v in chosen:
+            model.set_attn_implementation(v.attn)
+            cache = caches[v.label]
 
             def one_step(cache=cache) -> None:
                 model(input_ids=step_ids[:, steps : steps + 1], past_key_values=cache, use_cache=True)
 
-            peak = gpu_peak_bytes(one_step) if ids.is_cuda else cpu_peak_bytes(one_step)
+            with v.running():
+                peak = gpu_peak_bytes(one_step) if ids.is_cuda else cpu_peak_bytes(one_step)
             stats = memory_stats(cache)
-            t = times[name]
-            out[name] = {"decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
+            t = times[v.label]
+            out[v.label] = {"decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
                          "step_peak_mb": peak / 2**20, "cache_mb": stats["bytes"] / 2**20, "ratio": stats["ratio"]}
     finally:
         model.set_attn_implementation("sdpa")
@@ -107,13 +128,13 @@ def run(opts: SuiteOptions) -> list[Row]:
     model, tok = load_model(opts.model, dtype=torch.float16 if device.startswith("cuda") else torch.float32)
     model.to(device)
     ids = load_tokens(tok, load_text(opts.text), opts.start, context + steps + 1).to(device)
-    chosen = variants(model, specs)
+    chosen = variants(model, specs, "cuda" if ids.is_cuda else "cpu")
     results = measure_interleaved(model, chosen, ids, context, steps, opts.chunk or 512)
-    rows = [make_row("decode", name, opts.model, context, **results[name]) for name, _, _ in chosen]
-    for row, (_, attn, spec) in zip(rows, chosen):
+    rows = [make_row("decode", v.label, opts.model, context, **results[v.label]) for v in chosen]
+    for row, v in zip(rows, chosen):
         row["vs_first"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
-        if attn == "hf_kvcache":
-            deq = next(r for r, (_, a, s) in zip(rows, chosen) if s is spec and a == "sdpa")
+        if v.attn == "hf_kvcache":
+            deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and w.attn == "sdpa")
             row["vs_dequantize"] = row["decode_tokens_per_s"] / deq["decode_tokens_per_s"]
             if not ids.is_cuda:
                 row["scratch_mb"] = scratch_bytes() / 2**20
