@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -36,8 +37,22 @@ FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 # with several threads: tokens per task at least (tasks run on the threads; their chunks merge by log-sum-exp)
 CHUNK_TOKENS = 1024
 
+
+
+@dataclass
+class _Build:
+    """The outcome of building and loading the library: one of the two is set once it was tried."""
+
+    lib: ctypes.CDLL | None = None
+    error: str | None = None  # why there is no library
+
+    @property
+    def tried(self) -> bool:
+        return self.lib is not None or self.error is not None
+
+
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded library, or "error": why there is none
+_build = _Build()
 _off = threading.local()  # `turned_off()` sets `.depth` in this thread
 
 
@@ -96,23 +111,24 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (after one warning) where it cannot be built or is off."""
     if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0" or getattr(_off, "depth", 0):
         return None
-    if "lib" not in _state and "error" not in _state:
+    build = _build
+    if not build.tried:
         with _lock:
-            if "lib" not in _state and "error" not in _state:
+            if not build.tried:
                 try:
-                    _state["lib"] = _compile()
+                    build.lib = _compile()
                 except (OSError, RuntimeError) as exc:
-                    _state["error"] = str(exc)
+                    build.error = str(exc)
                     logger.warning("hf_kvcache: the native CPU decode kernel is unavailable (%s); the fused "
                                    "attention uses its torch path", exc)
-    return _state.get("lib")
+    return build.lib
 
 
 def available() -> tuple[bool, str]:
     """(whether the kernel can run here, why not)."""
     lib = library()
     if lib is None:
-        return False, str(_state.get("error", "turned off by HF_KVCACHE_NATIVE=0"))
+        return False, _build.error or "turned off by HF_KVCACHE_NATIVE=0"
     return True, ""
 
 

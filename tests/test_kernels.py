@@ -325,7 +325,7 @@ def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, cap
     seg = quant_segment(1, 2, 64, 64, 2, 2)
     q = torch.randn(1, 6, 1, 64)
     ref, _ = reference_attention(q, [seg])
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", native._Build())
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     with caplog.at_level("WARNING", logger="hf_kvcache.kernels.native"):
         ok, why = native.available()
@@ -334,11 +334,11 @@ def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, cap
     assert sum("unavailable" in r.getMessage() for r in caplog.records) == 1
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     monkeypatch.delenv("CC")
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", native._Build())
     monkeypatch.setenv("HF_KVCACHE_NATIVE", "0")
     assert native.available() == (False, "turned off by HF_KVCACHE_NATIVE=0")
     monkeypatch.delenv("HF_KVCACHE_NATIVE")
-    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_build", native._Build())
     monkeypatch.setenv("HF_KVCACHE_NATIVE_DIR", str(tmp_path / "build"))
     if native.available()[0]:
         assert len(list((tmp_path / "build").glob("native_decode_*.so"))) == 1
