@@ -19,8 +19,8 @@ import math
 
 import torch
 
-from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from . import native
+from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
 from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
 from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
@@ -79,8 +79,8 @@ def decode_attention(
     Returns (output [B, Hq, L, D] in the query dtype, mass [B, Hkv, T_total] or None): mass is the attention
     probability each key received, summed over the query heads of its KV group and the query positions.
     `block`: tokens per block of the torch path (None: `from_codes.BLOCK_ELEMENTS` codes). `use_triton` (default: on
-    CUDA) and `use_native` (default: on CPU where `native.supports` the segment; False keeps the torch path) pick the
-    kernel for quantized segments.
+    CUDA) and `use_native` (None or True: on CPU wherever `native.supports` the segment; False keeps the torch path)
+    pick the kernel for quantized segments.
     """
     b, hq, q_len, d = query.shape
     segments, overlays = split_overlays(segments)

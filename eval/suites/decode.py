@@ -4,9 +4,9 @@ Caches (`--caches`; default DynamicCache, transformers' QuantizedCache quanto 2-
 and the tiered defaults) each prefill `--tokens` tokens of the text in chunks of `--chunk` (512). A cache the fused
 attention reads in place (`reads_fused`: tiered, KIVI) runs twice: through the dequantize path (`sdpa`: the layer
 expands its past every step) and through the fused attention (`hf_kvcache`); on the CPU, where the compiled kernel
-(`kernels/native.py`) is available, a third time through the fused attention's torch path. Then `--decode-steps` (64) single-token
-steps are timed on the following tokens, the variants taking turns every 8 steps so that a slow spell of the machine
-hits every variant alike. Every variant runs in this one process; fp16 on CUDA, fp32 on the CPU.
+(`kernels/native.py`) is available, a third time through the fused attention's torch path. Then `--decode-steps`
+(64) single-token steps are timed on the following tokens, the variants taking turns every 8 steps so that a slow
+spell of the machine hits every variant alike. Every variant runs in this one process; fp16 on CUDA, fp32 on the CPU.
 
 Rows: `decode_tokens_per_s` (steps / their total time, so the steps that move groups between tiers count),
 `median_tokens_per_s` (1 / median step), `step_peak_mb` (one more step under the peak-memory probe: CUDA
@@ -19,10 +19,10 @@ fused path holds, allocated once).
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 import importlib.util
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 from hf_kvcache.kernels import native
@@ -47,6 +47,9 @@ def default_caches() -> list[str]:
 
 @dataclass(frozen=True)
 class Variant:
+    """One timed configuration: a cache spec run under an attention implementation (and, for the fused attention on
+    the CPU, with or without the compiled kernel)."""
+
     label: str
     attn: str  # the attention implementation the model runs
     spec: CacheSpec
@@ -111,7 +114,7 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
             stats = memory_stats(cache)
             t = times[v.label]
             out[v.label] = {"decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
-                         "step_peak_mb": peak / 2**20, "cache_mb": stats["bytes"] / 2**20, "ratio": stats["ratio"]}
+                            "step_peak_mb": peak / 2**20, "cache_mb": stats["bytes"] / 2**20, "ratio": stats["ratio"]}
     finally:
         model.set_attn_implementation("sdpa")
     return out
