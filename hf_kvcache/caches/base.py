@@ -457,7 +457,7 @@ def _fp16_equivalent(layer: Any) -> int:
 
 
 def memory_stats(cache: Cache) -> dict[str, float]:
-    """Bytes really held by every tensor `cache` keeps (each storage once: codes, scales, tails, rotation matrices;
+    """Bytes really held by every tensor `cache` keeps (each storage once: codes, scales, tails, rotations;
     for transformers' own layers, quantized or not, every tensor found on them), the fp16-equivalent bytes and
     their ratio."""
     held = fp16 = 0

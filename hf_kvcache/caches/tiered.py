@@ -585,8 +585,8 @@ class TieredQuantLayer(CompressedLayer):
         return [] if q is None else q.segments()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The stored tiers (codebooks included) plus the rotation matrices (and their transposes) the layer reads
-        them with."""
+        """The stored tiers (codebooks included) plus the tensors of the Hadamard rotations (signs and Sylvester
+        factors) the layer reads them with."""
         extra = [t for r in (getattr(self, n, None) for n in ("rot_k", "rot_v")) if r is not None
                  for t in r.tensors()]
         return [*self.tiers.tensors(), *extra]
