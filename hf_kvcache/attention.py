@@ -210,6 +210,28 @@ def _with_key_mask(
     return torch.cat([held, new], dim=-1) & per_head
 
 
+def _with_key_bias(
+    mask: torch.Tensor | None, key_bias: torch.Tensor, heads: int, q_len: int, kv_len: int, is_causal: bool
+) -> torch.Tensor:
+    """The additive float32 mask `[batch, heads, q, kv]` of a layer whose slots stand for several tokens (`merge`):
+    `key_bias [batch, kv_heads, kv]` (the log of the tokens of each slot) where the model's mask (None, bool or
+    additive, `[b|1, 1|heads, q, kv]`) lets a query attend, `-inf` elsewhere."""
+    b, kv_heads, kv = key_bias.shape
+    if kv != kv_len:
+        raise ValueError(f"key bias for {kv} slots, but the attention got {kv_len} keys")
+    if mask is None:
+        visible = torch.ones(q_len, kv, dtype=torch.bool, device=key_bias.device)
+        if is_causal and q_len > 1:
+            visible = visible.tril(kv - q_len)
+        visible = visible[None, None]
+    else:
+        visible = mask_as_bool(mask)
+    bias = key_bias.float().repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
+    if mask is not None and mask.dtype != torch.bool:
+        bias = bias + mask.float()
+    return torch.where(visible, bias, -float("inf"))
+
+
 def _prepare(module, query, key, value, attention_mask, dropout, scaling, is_causal) -> AttentionCall:
     if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
         raise ValueError(
@@ -235,6 +257,9 @@ def _prepare(module, query, key, value, attention_mask, dropout, scaling, is_cau
     key_mask = layer.key_mask() if layer is not None and hasattr(layer, "key_mask") else None
     if key_mask is not None:
         attention_mask = _with_key_mask(attention_mask, key_mask, heads, q_len, bool(is_causal))
+    key_bias = layer.key_bias() if layer is not None and hasattr(layer, "key_bias") else None
+    if key_bias is not None:
+        attention_mask = _with_key_bias(attention_mask, key_bias, heads, q_len, kv_len, bool(is_causal))
     causal = bool(q_len > 1 and attention_mask is None and is_causal)
     if causal and kv_len > q_len:
         # as transformers' SDPA integration: a skipped causal mask with more keys than queries only happens on the

@@ -64,11 +64,12 @@ import torch
 
 from ..options import CacheOptions, check_choice, check_int, check_number, check_positive_int
 from ..policy import POLICIES, EvictionPolicy, SlotView
-from ..policy.base import window_attention
+from ..policy.base import window_attention, window_logits
 from ..policy.ring import QueryRing
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
 from ..rope import KeyRotation
 from .base import FP16_BYTES, CompressedCache, CompressedLayer
+from .merge import MERGE_MODES, fold_evicted
 
 DEFAULT_SINK_LENGTH = 4
 DEFAULT_CROP_WINDOW = 32  # queries kept so that `crop` can undo what they did (see H2OOptions.crop_window)
@@ -84,6 +85,9 @@ MISSING_MASS = (
 
 QUANT_BITS = (None, 8, 4, 2)
 WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
+MERGE_POLICIES = ("tova", "snapkv", "expected")  # policies that keep a ring of queries (what `merge` reads)
+MERGE_WINDOW = 32  # queries whose attention weighs a merge (the ring holds at least that many with `merge`)
+DEFAULT_MERGE_SIMILARITY = 0.5  # lowest key cosine between an evicted token and the kept slot it is folded into
 VALUE_NORM_POLICIES = tuple(n for n, p in POLICIES.items() if p.ranks_by_attention)
 POLICY_OPTIONS = {  # policy-specific options: the policies they apply to
     "pool": ("snapkv",), "future": ("expected",), "mass_share": ("expected",),
@@ -124,6 +128,10 @@ class H2OOptions(CacheOptions):
     `shared_heads`: every KV head of a layer keeps the same tokens, ranked by the policy's priority averaged over the
     layer's KV heads (kvpress scores TOVA this way) instead of each head its own; in the question-aware passkey
     (SmolLM2, 20 % of 512 tokens kept) it took tova from 0 to 61 % and snapkv from 0 to 28 % (README).
+    `merge` (tova, snapkv, expected; default None = drop): an evicted token is folded into the kept slot whose key
+    has the highest cosine with its own (at least `merge_similarity`, default 0.5), the slot's value becoming their
+    average weighted by the attention of the last 32 queries; `"mass"` also raises the slot's logit by the log of the
+    tokens it stands for (one float32 per slot more), `"value"` does not (`caches.merge`).
     `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
     `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
     scores (assisted decoding crops the rejected candidates); 0 keeps none (the next forward after a crop raises).
@@ -149,6 +157,8 @@ class H2OOptions(CacheOptions):
     min_budget: int | None = None
     head_budgets: bool = False
     shared_heads: bool = False
+    merge: str | None = None
+    merge_similarity: float | None = None
     crop_window: int | None = None
 
     def validate(self) -> None:
@@ -229,6 +239,18 @@ class H2OOptions(CacheOptions):
             raise ValueError(f"head_budgets must be True or False, got {self.head_budgets!r}")
         if not isinstance(self.shared_heads, bool):
             raise ValueError(f"shared_heads must be True or False, got {self.shared_heads!r}")
+        if self.merge is not None:
+            check_choice("merge", self.merge, MERGE_MODES)
+            if self.policy not in MERGE_POLICIES:
+                raise ValueError(f"merge folds evicted tokens into kept ones weighted by the attention of the last "
+                                 f"queries, which the {' / '.join(MERGE_POLICIES)} policies keep; not {self.policy!r}")
+            if self.quant_bits is not None:
+                raise ValueError("merge rewrites kept values, which quant_bits stores as codes: set merge or "
+                                 "quant_bits, not both")
+        if self.merge_similarity is not None:
+            if self.merge is None:
+                raise ValueError("merge_similarity applies when merge is set ('value' or 'mass')")
+            check_number("merge_similarity", self.merge_similarity, -1.0, 1.0, hint=" (a key cosine)")
         if self.shared_heads and self.head_budgets:
             raise ValueError("shared_heads (one token set per layer) and head_budgets (a budget per head) exclude each "
                              "other: set one of them")
@@ -292,13 +314,16 @@ class H2OSlots:
 
     `keys` / `values [.., head_dim]`: in the model's dtype, or (`quant_bits`) KIVI codes packed along head_dim with
     per-token fp16 scale and zero `[.., groups]`; `positions` int32 (-1: a slot a head does not hold); `valid` bool
-    (False for padding and empty slots); `scores` float32, the attention mass received (h2o / hybrid only)."""
+    (False for padding and empty slots); `scores` float32, the attention mass received (h2o / hybrid only);
+    `log_weight` float32, the log of the tokens each slot stands for (0 unless evicted tokens were folded into it;
+    `merge` only)."""
 
     keys: Stored
     values: Stored
     positions: torch.Tensor
     valid: torch.Tensor
     scores: torch.Tensor | None = None
+    log_weight: torch.Tensor | None = None
 
     def named(self) -> dict[str, torch.Tensor]:
         """Every tensor by name: `keys` / `values`, or `key_codes`, `key_scale`, `key_zero`, `value_*`; `positions`,
@@ -312,6 +337,8 @@ class H2OSlots:
         out["positions"], out["valid"] = self.positions, self.valid
         if self.scores is not None:
             out["scores"] = self.scores
+        if self.log_weight is not None:
+            out["log_weight"] = self.log_weight
         return out
 
     def tensors(self) -> list[torch.Tensor]:
@@ -321,7 +348,8 @@ class H2OSlots:
         """`fn` applied to every tensor (all share their leading dims: a batch-dim operation, a gather or a mask
         along the slots)."""
         return H2OSlots(_map(self.keys, fn), _map(self.values, fn), fn(self.positions), fn(self.valid),
-                        None if self.scores is None else fn(self.scores))
+                        None if self.scores is None else fn(self.scores),
+                        None if self.log_weight is None else fn(self.log_weight))
 
     def select(self, index: torch.Tensor) -> "H2OSlots":
         """The slots `index [batch, kv_heads, k]` of each row and head (rectangular storage)."""
@@ -390,9 +418,10 @@ class H2OLayer(CompressedLayer):
 
     @property
     def query_window(self) -> int:
-        """Queries the `"hf_kvcache"` attention reports (`observe_queries`): the policy's window, plus `crop_window`
-        while `crop` may have to undo what they did (`tracks_crop`)."""
-        return self.window + (self.crop_window if self.tracks_crop() else 0)
+        """Queries the `"hf_kvcache"` attention reports (`observe_queries`): the policy's window (at least
+        `MERGE_WINDOW` with `merge`), plus `crop_window` while `crop` may have to undo what they did (`tracks_crop`)."""
+        window = max(self.window, MERGE_WINDOW) if self.options.merge else self.window
+        return window + (self.crop_window if self.tracks_crop() else 0)
 
     def tracks_crop(self) -> bool:
         """Whether the ring keeps queries for `crop`: for the policies that accumulate attention mass (h2o,
@@ -441,6 +470,7 @@ class H2OLayer(CompressedLayer):
             positions=torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous(),
             valid=torch.ones(b, h, n, dtype=torch.bool, device=dev),
             scores=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.policy.uses_mass else None,
+            log_weight=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.options.merge == "mass" else None,
         )
         self.slots = new if self.slots is None else self.slots.cat(new)
 
@@ -560,7 +590,8 @@ class H2OLayer(CompressedLayer):
                 "observe_queries(query[:, :, -layer.query_window:], scaling) first when driving the layer by hand"
             )
         keys = self.held_keys() if (self.policy.uses_keys or uses_window) else None
-        view = SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, rope=self.rope)
+        view = SlotView(s.scores, s.positions, s.valid, seen=self.cumulative_length, keys=keys, rope=self.rope,
+                        key_bias=s.log_weight)
         if self.policy.uses_values:
             view.values = self._plain(s.values)
         if uses_window:
@@ -569,7 +600,8 @@ class H2OLayer(CompressedLayer):
                 view.queries, view.query_positions, view.query_valid = r.queries, r.positions, r.valid
                 view.scaling = r.scaling
             else:
-                view.window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling)
+                view.window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling,
+                                               key_bias=s.log_weight)
         return view
 
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:
@@ -580,14 +612,42 @@ class H2OLayer(CompressedLayer):
         if budget is None:
             budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
         if self.options.head_budgets:
-            keep = self.policy.select_across_heads(self.slot_view(), budget, protect_last=protect_last)
+            view = self.slot_view()
+            keep = self.policy.select_across_heads(view, budget, protect_last=protect_last)
+            if keep is not None and self.options.merge:
+                self._fold(view, keep)
             self._compact(keep if keep is not None else self.slots.positions >= 0)
             return
         if budget >= self.tokens_held():
             return
-        keep = self.policy.select(self.slot_view(), budget, protect_last=protect_last, shared=self.options.shared_heads)
+        view = self.slot_view()
+        keep = self.policy.select(view, budget, protect_last=protect_last, shared=self.options.shared_heads)
         if keep is not None:
+            if self.options.merge:
+                mask = torch.zeros_like(self.slots.valid).scatter_(-1, keep, True)
+                self._fold(view, mask)
             self.slots = self.slots.select(keep)
+
+    def _fold(self, view: SlotView, keep: torch.Tensor) -> None:
+        """`merge`: fold the real tokens about to be evicted (not in `keep [batch, kv_heads, slots]`) into kept slots
+        (`caches.merge.fold_evicted`), weighted by the attention of the queries the ring holds."""
+        s, r = self.slots, self.ring
+        logits = window_logits(r.queries, r.positions, r.valid, view.keys, s.positions, s.valid, r.scaling,
+                               key_bias=s.log_weight)
+        b, h, g, w, slots = logits.shape
+        similarity = self.options.merge_similarity
+        values, log_weight = fold_evicted(
+            logits.view(b, h, g * w, slots), view.keys, keep, s.valid & ~keep, s.values, s.log_weight,
+            DEFAULT_MERGE_SIMILARITY if similarity is None else similarity,
+        )
+        self.slots = dataclasses.replace(s, values=values, log_weight=log_weight)  # new tensors: a copy may share `s`
+
+    def key_bias(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, slots]` float32 for the keys the last `update` returned: the log of the tokens each slot
+        stands for (`merge="mass"`), which the `"hf_kvcache"` attention adds to its logits; None otherwise."""
+        if self.options.merge != "mass" or self.slots is None or self.counts is not None:
+            return None
+        return self.slots.log_weight
 
     # ---- compact storage of ragged heads (head_budgets) -----------------------------------------------------------
     def _compact(self, keep: torch.Tensor) -> None:

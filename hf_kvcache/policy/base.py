@@ -46,6 +46,8 @@ class SlotView:
     query_positions: torch.Tensor | None = None  # [W] int: their positions
     query_valid: torch.Tensor | None = None  # [batch, W] bool: False for padding queries
     scaling: float = 1.0  # the attention's logit scaling (1 / sqrt(head_dim) by default)
+    key_bias: torch.Tensor | None = None  # [batch, kv_heads, slots] float32: log of the tokens each slot stands for
+    # (merged evicted tokens, `H2OOptions.merge`), added to its logits; None when nothing is merged
     rope: "KeyRotation | None" = None  # the model's RoPE, for policies that `needs_rope`
 
     def rank(self) -> torch.Tensor:
@@ -206,6 +208,35 @@ def _round(x: float) -> int:
     return int(x + 0.5)
 
 
+def window_logits(
+    queries: torch.Tensor,
+    query_positions: torch.Tensor,
+    query_valid: torch.Tensor,
+    keys: torch.Tensor,
+    key_positions: torch.Tensor,
+    key_valid: torch.Tensor,
+    scaling: float,
+    in_dtype: bool = False,
+    key_bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Logits of recent queries over the held keys, per KV head: `[batch, kv_heads, group, W, slots]` float32, `-inf`
+    where a query does not see a key (shapes as `window_attention`). `key_bias [batch, kv_heads, slots]` is added to
+    every logit of its slot (the log weight of a slot that stands for several merged tokens, `H2OOptions.merge`)."""
+    b, heads, w, d = queries.shape
+    kv_heads, slots = keys.shape[1], keys.shape[2]
+    g = heads // kv_heads
+    if in_dtype:
+        logits = torch.matmul(queries.reshape(b, kv_heads, g * w, d), keys.transpose(-1, -2)).float()
+    else:
+        logits = torch.matmul(queries.float().reshape(b, kv_heads, g * w, d), keys.float().transpose(-1, -2))
+    logits = logits.mul_(scaling).view(b, kv_heads, g, w, slots)
+    if key_bias is not None:
+        logits += key_bias[:, :, None, None, :].to(logits.device, torch.float32)
+    visible = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= query_positions[None, None, :, None])
+    visible = visible & query_valid[:, None, :, None]
+    return logits.masked_fill_(~visible[:, :, None], -INF)
+
+
 def window_attention(
     queries: torch.Tensor,
     query_positions: torch.Tensor,
@@ -215,6 +246,7 @@ def window_attention(
     key_valid: torch.Tensor,
     scaling: float,
     in_dtype: bool = False,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of recent queries over the held keys, per KV head: `[batch, kv_heads, W, slots]` float32.
 
@@ -223,17 +255,8 @@ def window_attention(
     `key_positions` / `key_valid [batch, kv_heads, slots]`. A query sees the valid keys at positions up to its own;
     each query head's softmax is over those, and the heads of a group are summed. `in_dtype`: the logits are computed
     in the queries' dtype (keys of the same dtype), then in float32, as the `"hf_kvcache"` attention computes them.
+    `key_bias`: added to the logits of each slot (`window_logits`).
     """
-    b, heads, w, d = queries.shape
-    kv_heads, slots = keys.shape[1], keys.shape[2]
-    g = heads // kv_heads
-    if in_dtype:
-        logits = torch.matmul(queries.reshape(b, kv_heads, g * w, d), keys.transpose(-1, -2)).float()
-    else:
-        logits = torch.matmul(queries.float().reshape(b, kv_heads, g * w, d), keys.float().transpose(-1, -2))
-    logits = logits.mul_(scaling).view(b, kv_heads, g, w, slots)
-    visible = key_valid[:, :, None, :] & (key_positions[:, :, None, :] <= query_positions[None, None, :, None])
-    logits.masked_fill_(~visible[:, :, None], -INF)
-    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)  # a query that sees no key: a row of 0
-    probs = probs.sum(2)
-    return probs.masked_fill_(~query_valid[:, None, :, None], 0.0)
+    logits = window_logits(queries, query_positions, query_valid, keys, key_positions, key_valid, scaling, in_dtype,
+                           key_bias)
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(2)  # a query that sees no key: a row of 0

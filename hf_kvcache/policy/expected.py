@@ -68,7 +68,7 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         )
         protected = view.first(sinks) | view.last(recent)
         attended = view.valid if self.sinks_in_softmax else view.valid & ~view.first(sinks)
-        score = expected_attention(mean, spread, view.keys, attended, view.scaling)
+        score = expected_attention(mean, spread, view.keys, attended, view.scaling, view.key_bias)
         if self.mass_share > 0:
             free = view.valid & ~protected
             score = (1 - self.mass_share) * _share(score, free) + self.mass_share * _share(view.scores, free)
@@ -115,16 +115,20 @@ def query_statistics(
 
 
 def expected_attention(
-    mean: torch.Tensor, spread: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float
+    mean: torch.Tensor, spread: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[batch, kv_heads, slots]` fp32: the attention the modelled next query is expected to give each held key,
     summed over the query heads of the group. `mean [batch, heads, 1, d]` and `spread [batch, heads, W, d]` from
-    `query_statistics`, `keys [batch, kv_heads, slots, d]`, `valid [batch, kv_heads, slots]` (padding gets 0)."""
+    `query_statistics`, `keys [batch, kv_heads, slots, d]`, `valid [batch, kv_heads, slots]` (padding gets 0);
+    `key_bias [batch, kv_heads, slots]` (log weights of merged slots) is added to the expected logits."""
     b, heads, w, d = spread.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     g = heads // kv_heads
     both = torch.cat([mean, spread], 2).reshape(b, kv_heads, g * (1 + w), d)
     dots = torch.matmul(both, keys.float().transpose(-1, -2)).view(b, kv_heads, g, 1 + w, slots)
     logits = dots[:, :, :, 0] * scaling + 0.5 * scaling**2 * dots[:, :, :, 1:].square().sum(3)  # [b, kv, g, slots]
+    if key_bias is not None:
+        logits = logits + key_bias[:, :, None].float()
     logits = logits.masked_fill(~valid[:, :, None], -INF)
     return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
