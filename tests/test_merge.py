@@ -26,6 +26,13 @@ def _case(seed=0, b=2, h=2, slots=7, d=8, queries=5):
     return k, v, q
 
 
+def _fold(logits, k, keep, v, log_weight, similarity):
+    """`fold_evicted` with the slots at positions 0.. and the queries after all of them (each sees every slot)."""
+    b, h, q, slots = logits.shape
+    positions = torch.arange(slots).expand(b, h, slots)
+    return fold_evicted(logits, torch.arange(slots, slots + q), positions, k, keep, ~keep, v, log_weight, similarity)
+
+
 def test_mass_mode_is_exact_for_a_duplicate_key():
     """A token whose key equals a kept one is folded into it without changing any later attention output."""
     k, v, q = _case()
@@ -33,7 +40,7 @@ def test_mass_mode_is_exact_for_a_duplicate_key():
     keep = torch.ones(k.shape[:3], dtype=torch.bool)
     keep[:, :, 4] = False
     log_weight = torch.zeros(k.shape[:3])
-    values, grown = fold_evicted(q @ k.transpose(-1, -2), k, keep, ~keep, v, log_weight, similarity=0.5)
+    values, grown = _fold(q @ k.transpose(-1, -2), k, keep, v, log_weight, similarity=0.5)
     later = torch.randn(2, 2, 3, 8, generator=torch.Generator().manual_seed(9))
     before = _attend(later, k, v, torch.zeros_like(log_weight), torch.ones_like(keep))
     after = _attend(later, k, values, grown, keep)
@@ -48,7 +55,7 @@ def test_value_mode_averages_by_attention_and_leaves_logits():
     keep = torch.ones(k.shape[:3], dtype=torch.bool)
     keep[:, :, 4] = False
     logits = q @ k.transpose(-1, -2)
-    values, weight = fold_evicted(logits, k, keep, ~keep, v, None, similarity=0.9)
+    values, weight = _fold(logits, k, keep, v, None, similarity=0.9)
     assert weight is None
     mass = torch.softmax(logits, -1).sum(2)
     a_j, a_e = mass[:, :, 1, None], mass[:, :, 4, None]
@@ -62,13 +69,13 @@ def test_dissimilar_or_barely_seen_tokens_are_dropped_unchanged():
     keep[:, :, 3] = False
     logits = q @ k.transpose(-1, -2)
     # no kept key reaches a cosine of 1: nothing is folded
-    values, weight = fold_evicted(logits, k, keep, ~keep, v, torch.zeros(k.shape[:3]), similarity=1.0 + 1e-6)
+    values, weight = _fold(logits, k, keep, v, torch.zeros(k.shape[:3]), similarity=1.0 + 1e-6)
     assert torch.equal(values, v) and torch.equal(weight, torch.zeros(k.shape[:3]))
     # the evicted token seen by a single query (one of the newest): dropped even with a duplicate kept
     k[:, :, 3] = k[:, :, 0]
     logits = (q @ k.transpose(-1, -2))
     logits[:, :, 1:, 3] = -math.inf
-    values, _ = fold_evicted(logits, k, keep, ~keep, v, None, similarity=0.5)
+    values, _ = _fold(logits, k, keep, v, None, similarity=0.5)
     assert torch.equal(values, v)
 
 
@@ -149,3 +156,21 @@ def test_merge_streams_batches_and_counts_its_weights(tiny_model, mode, head_bud
     else:
         assert all(w is None for w in weights)
         assert merged.memory_stats()["bytes"] == plain.memory_stats()["bytes"]
+
+
+@pytest.mark.parametrize("twin,folded", [(1, True), (5, False)])
+def test_target_must_be_seen_by_every_query_that_sees_the_evicted_token(twin, folded):
+    """Queries at positions 3..7 see the slots up to their own position. Evicted slot 2 is seen by all five; a twin
+    key at position 1 is seen by each of them (folded), one at position 5 only by the last three (not a target)."""
+    k, v, q = _case(3)
+    k[:, :, twin] = k[:, :, 2]
+    keep = torch.ones(k.shape[:3], dtype=torch.bool)
+    keep[:, :, 2] = False
+    slots = k.shape[2]
+    query_positions = torch.arange(3, 8)
+    positions = torch.arange(slots).expand(*k.shape[:3])
+    logits = (q @ k.transpose(-1, -2)).masked_fill(positions[:, :, None, :] > query_positions[:, None], -math.inf)
+    values, _ = fold_evicted(logits, query_positions, positions, k, keep, ~keep, v, None, similarity=0.999)
+    assert torch.equal(values[:, :, twin], v[:, :, twin]) != folded
+    others = [i for i in range(slots) if i != twin]
+    assert torch.equal(values[:, :, others], v[:, :, others])

@@ -637,7 +637,8 @@ class H2OLayer(CompressedLayer):
         b, h, g, w, slots = logits.shape
         similarity = self.options.merge_similarity
         values, log_weight = fold_evicted(
-            logits.view(b, h, g * w, slots), view.keys, keep, s.valid & ~keep, s.values, s.log_weight,
+            logits.view(b, h, g * w, slots), r.positions.repeat(g), s.positions, view.keys, keep, s.valid & ~keep,
+            s.values, s.log_weight,
             DEFAULT_MERGE_SIMILARITY if similarity is None else similarity,
         )
         self.slots = dataclasses.replace(s, values=values, log_weight=log_weight)  # new tensors: a copy may share `s`

@@ -22,12 +22,13 @@ from __future__ import annotations
 import torch
 
 INF = float("inf")
-BLOCK = 64  # evicted slots compared with every held slot at a time ([batch, kv_heads, Q, BLOCK, slots] bools)
 MERGE_MODES = ("value", "mass")
 
 
 def fold_evicted(
     logits: torch.Tensor,
+    query_positions: torch.Tensor,
+    positions: torch.Tensor,
     keys: torch.Tensor,
     keep: torch.Tensor,
     evicted: torch.Tensor,
@@ -39,30 +40,30 @@ def fold_evicted(
     None: mode `"value"`; a tensor: mode `"mass"`, returned grown).
 
     `logits [batch, kv_heads, Q, slots]` float32: the last queries' logits (log weights included, `-inf` where a
-    query does not see a slot); `keys [batch, kv_heads, slots, head_dim]`; `keep` / `evicted [batch, kv_heads, slots]`
-    bool: the slots kept, and the real tokens about to be evicted; `values [batch, kv_heads, slots, value_dim]`;
-    `log_weight [batch, kv_heads, slots]` float32 or None; `similarity`: the lowest key cosine a fold accepts. Only
-    kept slots change (the caller drops the evicted ones next)."""
+    query does not see a slot: a query sees the valid slots at positions up to its own), `query_positions [Q]` the
+    position of each logit row, `positions [batch, kv_heads, slots]` the slots' positions; `keys [batch, kv_heads,
+    slots, head_dim]`; `keep` / `evicted [batch, kv_heads, slots]` bool: the slots kept, and the real tokens about to
+    be evicted; `values [batch, kv_heads, slots, value_dim]`; `log_weight [batch, kv_heads, slots]` float32 or None;
+    `similarity`: the lowest key cosine a fold accepts. Only kept slots change (the caller drops the evicted ones)."""
     count = int(evicted.sum(-1).max()) if evicted.numel() else 0
     if count == 0:
         return values, log_weight
-    b, h, q, slots = logits.shape
     visible = logits > -INF
     mass = torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(2)  # [b, h, slots] attention from the Q queries
+    # per slot: how many query rows see it, and the position of the first that does; a kept slot is seen by every
+    # query that sees an evicted one when it is real and not newer than the evicted one's first query
+    seen_by = visible.sum(2)
+    never = torch.iinfo(torch.int64).max
+    first = torch.where(visible, query_positions.long()[None, None, :, None], never).amin(2)
+    real_slot = visible.any(2)
     index = evicted.float().topk(count, dim=-1).indices  # [b, h, E] (rows evicting fewer: `real` is False)
     real = evicted.gather(-1, index)
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
-    target = torch.zeros_like(index)
-    found = torch.zeros_like(real)
-    for s in range(0, count, BLOCK):
-        i = index[..., s : s + BLOCK]
-        sees = visible.gather(-1, i[:, :, None, :].expand(b, h, q, i.shape[-1]))  # [b, h, Q, e]
-        seen_by_all = (visible[:, :, :, None, :] | ~sees[..., None]).all(2)  # [b, h, e, slots]
-        cosine = unit.gather(2, i[..., None].expand(*i.shape, unit.shape[-1])) @ unit.transpose(-1, -2)
-        ok = keep[:, :, None, :] & seen_by_all & (sees.sum(2) >= 2)[..., None] & (cosine >= similarity)
-        best = cosine.masked_fill(~ok, -INF).max(-1)
-        target[..., s : s + BLOCK] = best.indices
-        found[..., s : s + BLOCK] = best.values > -INF
+    cosine = unit.gather(2, index[..., None].expand(*index.shape, unit.shape[-1])) @ unit.transpose(-1, -2)
+    ok = (keep & real_slot)[:, :, None, :] & (positions.long()[:, :, None, :] <= first.gather(-1, index)[..., None])
+    ok &= (seen_by.gather(-1, index) >= 2)[..., None] & (cosine >= similarity)
+    best = cosine.masked_fill_(~ok, -INF).max(-1)  # [b, h, E]
+    target, found = best.indices, best.values > -INF
     share = torch.where(real & found & (mass.gather(-1, target) > 0), mass.gather(-1, index), 0.0)
     added = torch.zeros_like(mass).scatter_add_(-1, target, share)  # [b, h, slots] attention folded into each slot
     v = values.float()
