@@ -14,7 +14,8 @@ Two modes:
   folded keys equal the kept one.
 
 A target slot must be seen by every one of the last queries that sees the evicted token, and the evicted token by at
-least two of them (one of the newest tokens is simply dropped).
+least two query rows (each query head of the KV group counts; a token newer than every query but the last, with a
+single query head per group, is simply dropped).
 """
 
 from __future__ import annotations
