@@ -13,7 +13,7 @@ from hf_kvcache.caches.h2o import H2OOptions
 from hf_kvcache.policy import POLICIES, SlotView
 from hf_kvcache import attention as attn
 from hf_kvcache.caches.base import LAYER_ATTR, CompressedLayer
-from hf_kvcache.policy.base import window_attention
+from hf_kvcache.policy.base import window_attention, window_logits
 from hf_kvcache.quant.kivi import KIVIQuantized
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
@@ -60,7 +60,7 @@ def test_window_attention_equals_eager_softmax_rows():
     valid[1, :, 0] = False  # padding
     q_valid = torch.ones(B, w, dtype=torch.bool)
     q_valid[0, 0] = False
-    got = window_attention(q, q_pos, q_valid, k, pos, valid, 0.25)
+    got = window_attention(window_logits(q, q_pos, q_valid, k, pos, valid, 0.25))
     ref = torch.zeros(B, H, w, slots)
     for b in range(B):
         for h in range(H * G):

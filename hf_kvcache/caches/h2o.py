@@ -600,8 +600,8 @@ class H2OLayer(CompressedLayer):
                 view.queries, view.query_positions, view.query_valid = r.queries, r.positions, r.valid
                 view.scaling = r.scaling
             else:
-                view.window = window_attention(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling,
-                                               key_bias=s.log_weight)
+                view.window = window_attention(window_logits(r.queries, r.positions, r.valid, keys, s.positions,
+                                                             s.valid, r.scaling, key_bias=s.log_weight))
         return view
 
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:

@@ -220,8 +220,14 @@ def window_logits(
     key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Logits of recent queries over the held keys, per KV head: `[batch, kv_heads, group, W, slots]` float32, `-inf`
-    where a query does not see a key (shapes as `window_attention`). `key_bias [batch, kv_heads, slots]` is added to
-    every logit of its slot (the log weight of a slot that stands for several merged tokens, `H2OOptions.merge`)."""
+    where a query does not see a key.
+
+    `queries [batch, heads, W, head_dim]` (heads a multiple of kv_heads, grouped as GQA does), `query_positions [W]`,
+    `query_valid [batch, W]` (False: padding or not seen yet: sees nothing), `keys [batch, kv_heads, slots, head_dim]`,
+    `key_positions` / `key_valid [batch, kv_heads, slots]`. A query sees the valid keys at positions up to its own.
+    `in_dtype`: the logits are computed in the queries' dtype (keys of the same dtype), then in float32, as the
+    `"hf_kvcache"` attention computes them. `key_bias [batch, kv_heads, slots]` is added to every logit of its slot
+    (the log weight of a slot that stands for several merged tokens, `H2OOptions.merge`)."""
     b, heads, w, d = queries.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     g = heads // kv_heads
@@ -237,26 +243,8 @@ def window_logits(
     return logits.masked_fill_(~visible[:, :, None], -INF)
 
 
-def window_attention(
-    queries: torch.Tensor,
-    query_positions: torch.Tensor,
-    query_valid: torch.Tensor,
-    keys: torch.Tensor,
-    key_positions: torch.Tensor,
-    key_valid: torch.Tensor,
-    scaling: float,
-    in_dtype: bool = False,
-    key_bias: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Attention of recent queries over the held keys, per KV head: `[batch, kv_heads, W, slots]` float32.
-
-    `queries [batch, heads, W, head_dim]` (heads a multiple of kv_heads, grouped as GQA does), `query_positions [W]`,
-    `query_valid [batch, W]` (False: padding or not seen yet -> a row of 0), `keys [batch, kv_heads, slots, head_dim]`,
-    `key_positions` / `key_valid [batch, kv_heads, slots]`. A query sees the valid keys at positions up to its own;
-    each query head's softmax is over those, and the heads of a group are summed. `in_dtype`: the logits are computed
-    in the queries' dtype (keys of the same dtype), then in float32, as the `"hf_kvcache"` attention computes them.
-    `key_bias`: added to the logits of each slot (`window_logits`).
-    """
-    logits = window_logits(queries, query_positions, query_valid, keys, key_positions, key_valid, scaling, in_dtype,
-                           key_bias)
-    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(2)  # a query that sees no key: a row of 0
+def window_attention(logits: torch.Tensor) -> torch.Tensor:
+    """Attention of recent queries over the held keys, per KV head: `[batch, kv_heads, W, slots]` float32, from their
+    logits `[batch, kv_heads, group, W, slots]` (`window_logits`): each query head's softmax over the keys it sees,
+    the heads of a group summed; a query that sees no key (padding, not seen yet) gives a row of 0."""
+    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(2)

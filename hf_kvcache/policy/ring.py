@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .base import window_attention
+from .base import window_attention, window_logits
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 
@@ -105,7 +105,7 @@ class QueryRing:
         logits in that dtype, as the attention computed them, so that subtracting the result undoes what it added;
         otherwise they are computed in float32."""
         keep = (self.positions >= start) & (self.positions < end)
-        return window_attention(
+        return window_attention(window_logits(
             self.queries[:, :, keep], self.positions[keep], self.valid[:, keep], keys, key_positions, key_valid,
             self.scaling, in_dtype=self.queries.dtype == keys.dtype,
-        )
+        ))

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ...policy.base import window_attention
+from ...policy.base import window_attention, window_logits
 from ...rope import KeyRotation
 from ..base import CompressedLayer
 from .delta import DeltaCodec
@@ -263,8 +263,8 @@ class CPACLayer(CompressedLayer):
             q_pos = torch.arange(n - w, n, device=dev)
             k_pos = torch.arange(n, device=dev).expand(b, h, n)
             k_valid, q_valid = self._unpadded(k_pos), self._unpadded(q_pos[None].expand(b, w))
-            per_query = window_attention(queries, q_pos, q_valid, keys, k_pos, k_valid, forward["scaling"],
-                                         in_dtype=True)
+            per_query = window_attention(window_logits(queries, q_pos, q_valid, keys, k_pos, k_valid,
+                                                       forward["scaling"], in_dtype=True))
         per_query = torch.nn.functional.pad(per_query, (0, pages * p - n)).reshape(b, h, -1, pages, p).sum(-1)
         self.query_mass = per_query.contiguous()
         self.query_mass_positions = torch.arange(n - per_query.shape[2], n, device=dev)
