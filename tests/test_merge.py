@@ -83,7 +83,6 @@ def test_dissimilar_or_barely_seen_tokens_are_dropped_unchanged():
     "options,match",
     [
         (dict(policy="knorm", merge="value"), "merge folds evicted tokens .* tova / snapkv / expected"),
-        (dict(policy="tova", merge="value", quant_bits=4), "set merge or quant_bits, not both"),
         (dict(policy="tova", merge_similarity=0.5), "merge_similarity applies when merge is set"),
         (dict(policy="tova", merge="yes"), r"merge='yes' is not valid; choose one of \['value', 'mass'\]"),
         (dict(policy="tova", merge="value", merge_similarity=2.0), r"merge_similarity must be a number in"),
@@ -174,3 +173,23 @@ def test_target_must_be_seen_by_every_query_that_sees_the_evicted_token(twin, fo
     assert torch.equal(values[:, :, twin], v[:, :, twin]) != folded
     others = [i for i in range(slots) if i != twin]
     assert torch.equal(values[:, :, others], v[:, :, others])
+
+
+def test_merge_with_quantized_storage_requantizes_only_the_folded_slots(tiny_model):
+    """`quant_bits=4`: the slots a fold changed hold the 4-bit codes of their merged values; every other kept slot keeps
+    the codes it had (compared with the same eviction run without merge, whose slots are the same before the first
+    fold changes a priority: one eviction here)."""
+    model = tiny_model
+    model.set_attn_implementation("hf_kvcache")
+    ids = torch.randint(0, 97, (2, 24), generator=torch.Generator().manual_seed(5))
+    caches = {None: H2OCache(config=model.config, budget=16, policy="tova", quant_bits=4),
+              "value": H2OCache(config=model.config, budget=16, policy="tova", quant_bits=4, merge="value",
+                                merge_similarity=0.0)}
+    with torch.inference_mode():
+        for cache in caches.values():
+            model(ids, past_key_values=cache)
+    plain, merged = (caches[m].layers[0].slots for m in (None, "value"))
+    assert torch.equal(plain.positions, merged.positions)
+    same = (plain.values.codes == merged.values.codes).all(-1) & (plain.values.scale == merged.values.scale).all(-1)
+    assert 0 < int((~same).sum()) < same.numel()  # some slots were folded into, not all
+    assert torch.equal(plain.keys.codes, merged.keys.codes)

@@ -131,7 +131,8 @@ class H2OOptions(CacheOptions):
     `merge` (tova, snapkv, expected; default None = drop): an evicted token is folded into the kept slot whose key
     has the highest cosine with its own (at least `merge_similarity`, default 0.5), the slot's value becoming their
     average weighted by the attention of the last 32 queries; `"mass"` also raises the slot's logit by the log of the
-    tokens it stands for (one float32 per slot more), `"value"` does not (`caches.merge`).
+    tokens it stands for (one float32 per slot more), `"value"` does not (`caches.merge`). With `quant_bits` the slots
+    a fold changed are quantized again.
     `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
     `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
     scores (assisted decoding crops the rejected candidates); 0 keeps none (the next forward after a crop raises).
@@ -244,9 +245,6 @@ class H2OOptions(CacheOptions):
             if self.policy not in MERGE_POLICIES:
                 raise ValueError(f"merge folds evicted tokens into kept ones weighted by the attention of the last "
                                  f"queries, which the {' / '.join(MERGE_POLICIES)} policies keep; not {self.policy!r}")
-            if self.quant_bits is not None:
-                raise ValueError("merge rewrites kept values, which quant_bits stores as codes: set merge or "
-                                 "quant_bits, not both")
         if self.merge_similarity is not None:
             if self.merge is None:
                 raise ValueError("merge_similarity applies when merge is set ('value' or 'mass')")
@@ -636,11 +634,18 @@ class H2OLayer(CompressedLayer):
                                key_bias=s.log_weight)
         b, h, g, w, slots = logits.shape
         similarity = self.options.merge_similarity
+        held = self._plain(s.values)
         values, log_weight = fold_evicted(
             logits.view(b, h, g * w, slots), r.positions.repeat(g), s.positions, view.keys, keep, s.valid & ~keep,
-            s.values, s.log_weight,
-            DEFAULT_MERGE_SIMILARITY if similarity is None else similarity,
+            held, s.log_weight, DEFAULT_MERGE_SIMILARITY if similarity is None else similarity,
         )
+        if self.quantized:  # quantize again only the slots a fold changed; the others keep their codes
+            changed = (values != held).any(-1)
+            new = self._quantize(values)
+            values = dataclasses.replace(s.values, **{
+                name: torch.where(changed[..., None], getattr(new, name), getattr(s.values, name))
+                for name in ("codes", "scale", "zero")
+            })
         self.slots = dataclasses.replace(s, values=values, log_weight=log_weight)  # new tensors: a copy may share `s`
 
     def key_bias(self) -> torch.Tensor | None:
