@@ -200,14 +200,18 @@ def _with_key_mask(
     tokens, its last `q_len` columns (causality and padding among them): every held slot precedes every query."""
     b, kv_heads, kv = key_mask.shape
     per_head = key_mask.repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
-    dev = key_mask.device
     if mask is None:
-        new = torch.ones(q_len, q_len, dtype=torch.bool, device=dev)
-        new = (new.tril() if is_causal and q_len > 1 else new)[None, None]
-    else:
-        new = mask_as_bool(mask)[..., -q_len:]
-    held = torch.ones(*new.shape[:-1], kv - q_len, dtype=torch.bool, device=dev)
+        return _held_then_causal(q_len, kv, is_causal, key_mask.device) & per_head
+    new = mask_as_bool(mask)[..., -q_len:]
+    held = torch.ones(*new.shape[:-1], kv - q_len, dtype=torch.bool, device=key_mask.device)
     return torch.cat([held, new], dim=-1) & per_head
+
+
+def _held_then_causal(q_len: int, kv: int, is_causal: bool, device: torch.device) -> torch.Tensor:
+    """`[1, 1, q_len, kv]` bool, what a query may attend when the model passed no mask: every held slot (the first
+    `kv - q_len`), and the new tokens causally (all of them when not causal)."""
+    visible = torch.ones(q_len, kv, dtype=torch.bool, device=device)
+    return (visible.tril(kv - q_len) if is_causal and q_len > 1 else visible)[None, None]
 
 
 def _with_key_bias(
@@ -219,13 +223,7 @@ def _with_key_bias(
     b, kv_heads, kv = key_bias.shape
     if kv != kv_len:
         raise ValueError(f"key bias for {kv} slots, but the attention got {kv_len} keys")
-    if mask is None:
-        visible = torch.ones(q_len, kv, dtype=torch.bool, device=key_bias.device)
-        if is_causal and q_len > 1:
-            visible = visible.tril(kv - q_len)
-        visible = visible[None, None]
-    else:
-        visible = mask_as_bool(mask)
+    visible = _held_then_causal(q_len, kv, is_causal, key_bias.device) if mask is None else mask_as_bool(mask)
     bias = key_bias.float().repeat_interleave(heads // kv_heads, dim=1)[:, :, None, :]
     if mask is not None and mask.dtype != torch.bool:
         bias = bias + mask.float()

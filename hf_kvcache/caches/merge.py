@@ -56,12 +56,11 @@ def fold_evicted(
     seen_by = visible.sum(2)
     never = torch.iinfo(torch.int64).max
     first = torch.where(visible, query_positions.long()[None, None, :, None], never).amin(2)
-    real_slot = visible.any(2)
     index = evicted.float().topk(count, dim=-1).indices  # [b, h, E] (rows evicting fewer: `real` is False)
     real = evicted.gather(-1, index)
     unit = torch.nn.functional.normalize(keys.float(), dim=-1)
     cosine = unit.gather(2, index[..., None].expand(*index.shape, unit.shape[-1])) @ unit.transpose(-1, -2)
-    ok = (keep & real_slot)[:, :, None, :] & (positions.long()[:, :, None, :] <= first.gather(-1, index)[..., None])
+    ok = (keep & (seen_by > 0))[:, :, None, :] & (positions.long()[:, :, None, :] <= first.gather(-1, index)[..., None])
     ok &= (seen_by.gather(-1, index) >= 2)[..., None] & (cosine >= similarity)
     best = cosine.masked_fill_(~ok, -INF).max(-1)  # [b, h, E]
     target, found = best.indices, best.values > -INF
