@@ -91,7 +91,7 @@ DEFAULT_MERGE_SIMILARITY = 0.5  # lowest key cosine between an evicted token and
 VALUE_NORM_POLICIES = tuple(n for n, p in POLICIES.items() if p.ranks_by_attention)
 POLICY_OPTIONS = {  # policy-specific options: the policies they apply to
     "pool": ("snapkv",), "future": ("expected",), "mass_share": ("expected",),
-    "sinks_in_softmax": ("expected",), "value_norm": VALUE_NORM_POLICIES,
+    "sinks_in_softmax": ("expected",), "value_norm": VALUE_NORM_POLICIES, "output_error": MERGE_POLICIES,
 }
 
 
@@ -113,7 +113,9 @@ class H2OOptions(CacheOptions):
     priority taken from the attention mass the tokens received (h2o's score); `sinks_in_softmax` (expected, default
     True): False normalizes the expected attention over the evictable keys only (kvpress's choice). `value_norm`
     (h2o, hybrid, tova, snapkv, expected; default True for expected, False for the others): multiply each token's
-    score by the norm of its value.
+    score by the norm of its value. `output_error` (tova, snapkv, expected; default False): rank each token by how
+    far the attention output of the scoring queries (received, or expected) would move without it, `p / (1 - p) *
+    |v - o|` per query head (`policy.base.removal_error`), instead of by its attention; it replaces `value_norm`.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
     head), so `memory_stats()` shows the real bytes.
@@ -152,6 +154,7 @@ class H2OOptions(CacheOptions):
     mass_share: float | None = None
     sinks_in_softmax: bool | None = None
     value_norm: bool | None = None
+    output_error: bool | None = None
     quant_bits: int | None = None
     quant_group_size: int | None = None
     pyramid: float | None = None
@@ -217,7 +220,7 @@ class H2OOptions(CacheOptions):
                 check_int(name, v, lo=0, hint=" (upcoming positions; 0 = no RoPE shift)")
             elif name == "mass_share":
                 check_number(name, v, 0.0, 1.0, hi_open=True, hint=" (the share of the received attention mass)")
-            elif name in ("value_norm", "sinks_in_softmax"):
+            elif name in ("value_norm", "sinks_in_softmax", "output_error"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{name} must be True or False, got {v!r}")
             else:
@@ -249,6 +252,12 @@ class H2OOptions(CacheOptions):
             if self.merge is None:
                 raise ValueError("merge_similarity applies when merge is set ('value' or 'mass')")
             check_number("merge_similarity", self.merge_similarity, -1.0, 1.0, hint=" (a key cosine)")
+        if self.output_error and self.value_norm:
+            raise ValueError("output_error already weighs each token by its value (how far the output moves without "
+                             "it); leave value_norm unset with it")
+        if self.output_error and self.head_budgets:
+            raise ValueError("head_budgets compares heads by the attention their tokens receive; output_error scores "
+                             "are in units of each head's values and do not compare across heads: set one of them")
         if self.shared_heads and self.head_budgets:
             raise ValueError("shared_heads (one token set per layer) and head_budgets (a budget per head) exclude each "
                              "other: set one of them")
@@ -598,8 +607,9 @@ class H2OLayer(CompressedLayer):
                 view.queries, view.query_positions, view.query_valid = r.queries, r.positions, r.valid
                 view.scaling = r.scaling
             else:
-                view.window = window_attention(window_logits(r.queries, r.positions, r.valid, keys, s.positions,
-                                                             s.valid, r.scaling, key_bias=s.log_weight))
+                logits = window_logits(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling,
+                                       key_bias=s.log_weight)
+                view.window = window_attention(logits, view.values if self.policy.output_error else None)
         return view
 
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:

@@ -98,11 +98,18 @@ class EvictionPolicy:
         decay: float | None = None,
         pool: int = 1,
         value_norm: bool | None = None,
+        output_error: bool = False,
     ) -> None:
+        # output_error: a slot's score is how far the attention output moves when it is removed (`removal_error`),
+        # not the attention it receives; it weighs the values itself, so it replaces the value-norm weighting
+        if output_error and value_norm:
+            raise ValueError("output_error already weighs each token by its value (how far the output moves without "
+                             "it); leave value_norm unset with it")
+        self.output_error = output_error
         # the priority is multiplied by the norm of each slot's value: the size of what the token adds to the output
         # when attended (Expected Attention's weighting; measured better for every attention policy on Qwen, README)
-        self.value_norm = self.default_value_norm if value_norm is None else value_norm
-        if self.value_norm:
+        self.value_norm = False if output_error else self.default_value_norm if value_norm is None else value_norm
+        if self.value_norm or output_error:
             self.uses_values = True
         self.window = window  # queries of the observation window (policies whose `query_window` uses it)
         self.decay = decay  # accumulated mass fades by `decay` per query (None = plain sum); policies with uses_mass
@@ -243,8 +250,27 @@ def window_logits(
     return logits.masked_fill_(~visible[:, :, None], -INF)
 
 
-def window_attention(logits: torch.Tensor) -> torch.Tensor:
+def window_attention(logits: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of recent queries over the held keys, per KV head: `[batch, kv_heads, W, slots]` float32, from their
     logits `[batch, kv_heads, group, W, slots]` (`window_logits`): each query head's softmax over the keys it sees,
-    the heads of a group summed; a query that sees no key (padding, not seen yet) gives a row of 0."""
-    return torch.softmax(logits, dim=-1).nan_to_num_(0.0).sum(2)
+    the heads of a group summed; a query that sees no key (padding, not seen yet) gives a row of 0.
+    With `values [batch, kv_heads, slots, value_dim]`: each slot's `removal_error` instead of its attention."""
+    probs = torch.softmax(logits, dim=-1).nan_to_num_(0.0)
+    return probs.sum(2) if values is None else removal_error(probs, values)
+
+
+def removal_error(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """How far each query's attention output moves if a slot is removed, summed over the query heads of the group:
+    `[batch, kv_heads, W, slots]` float32 from attention `probs [batch, kv_heads, group, W, slots]` and the held
+    `values [batch, kv_heads, slots, value_dim]`.
+
+    Removing slot j from a softmax renormalizes the rest, so the output `o = sum_i p_i v_i` becomes
+    `(o - p_j v_j) / (1 - p_j)`: it moves by `p_j / (1 - p_j) * |v_j - o|`. Unlike the attention `p_j` alone (or
+    `p_j |v_j|`), a token whose value is close to what the head outputs anyway costs little to drop."""
+    b, h, g, w, n = probs.shape
+    v = values.float()
+    out = torch.matmul(probs.reshape(b, h, g * w, n), v)  # [b, h, g*w, d]
+    dots = torch.matmul(out, v.transpose(-1, -2))  # [b, h, g*w, n]: o . v_j
+    far = (v.square().sum(-1)[:, :, None] - 2 * dots + out.square().sum(-1, keepdim=True)).clamp_min_(0.0).sqrt_()
+    moved = probs / (1 - probs).clamp_min(1e-6) * far.view(b, h, g, w, n)
+    return moved.sum(2)

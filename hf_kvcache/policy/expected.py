@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import INF, EvictionPolicy, SlotView
+from .base import INF, EvictionPolicy, SlotView, removal_error
 
 DEFAULT_FUTURE = 512  # upcoming positions the modelled queries are spread over (kvpress's n_future_positions)
 
@@ -68,7 +68,8 @@ class ExpectedAttentionPolicy(EvictionPolicy):
         )
         protected = view.first(sinks) | view.last(recent)
         attended = view.valid if self.sinks_in_softmax else view.valid & ~view.first(sinks)
-        score = expected_attention(mean, spread, view.keys, attended, view.scaling, view.key_bias)
+        values = view.values if self.output_error else None
+        score = expected_attention(mean, spread, view.keys, attended, view.scaling, view.key_bias, values)
         if self.mass_share > 0:
             free = view.valid & ~protected
             score = (1 - self.mass_share) * _share(score, free) + self.mass_share * _share(view.scores, free)
@@ -116,12 +117,13 @@ def query_statistics(
 
 def expected_attention(
     mean: torch.Tensor, spread: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, scaling: float,
-    key_bias: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None, values: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`[batch, kv_heads, slots]` fp32: the attention the modelled next query is expected to give each held key,
     summed over the query heads of the group. `mean [batch, heads, 1, d]` and `spread [batch, heads, W, d]` from
     `query_statistics`, `keys [batch, kv_heads, slots, d]`, `valid [batch, kv_heads, slots]` (padding gets 0);
-    `key_bias [batch, kv_heads, slots]` (log weights of merged slots) is added to the expected logits."""
+    `key_bias [batch, kv_heads, slots]` (log weights of merged slots) is added to the expected logits. With `values
+    [batch, kv_heads, slots, d_v]`: how far the expected output moves without each key (`base.removal_error`)."""
     b, heads, w, d = spread.shape
     kv_heads, slots = keys.shape[1], keys.shape[2]
     g = heads // kv_heads
@@ -131,4 +133,5 @@ def expected_attention(
     if key_bias is not None:
         logits = logits + key_bias[:, :, None].float()
     logits = logits.masked_fill(~valid[:, :, None], -INF)
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(2)
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    return probs.sum(2) if values is None else removal_error(probs[:, :, :, None], values)[:, :, 0]
