@@ -266,7 +266,8 @@ def removal_error(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
     Removing slot j from a softmax renormalizes the rest, so the output `o = sum_i p_i v_i` becomes
     `(o - p_j v_j) / (1 - p_j)`: it moves by `p_j / (1 - p_j) * |v_j - o|`. Unlike the attention `p_j` alone (or
-    `p_j |v_j|`), a token whose value is close to what the head outputs anyway costs little to drop."""
+    `p_j |v_j|`), a token whose value is close to what the head outputs anyway costs little to drop (the criterion of
+    CAOTE, Goel et al. 2025)."""
     b, h, g, w, n = probs.shape
     v = values.float()
     out = torch.matmul(probs.reshape(b, h, g * w, n), v)  # [b, h, g*w, d]
