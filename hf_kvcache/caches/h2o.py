@@ -252,9 +252,6 @@ class H2OOptions(CacheOptions):
             if self.merge is None:
                 raise ValueError("merge_similarity applies when merge is set ('value' or 'mass')")
             check_number("merge_similarity", self.merge_similarity, -1.0, 1.0, hint=" (a key cosine)")
-        if self.output_error and self.value_norm:
-            raise ValueError("output_error already weighs each token by its value (how far the output moves without "
-                             "it); leave value_norm unset with it")
         if self.output_error and self.head_budgets:
             raise ValueError("head_budgets compares heads by the attention their tokens receive; output_error scores "
                              "are in units of each head's values and do not compare across heads: set one of them")
