@@ -584,7 +584,10 @@ class H2OLayer(CompressedLayer):
             self.ring = self.ring.last(self.query_window) if self.query_window else None
 
     # ---- eviction -----------------------------------------------------------------------------------------------
-    def slot_view(self) -> SlotView:
+    def slot_view(self) -> tuple[SlotView, torch.Tensor | None]:
+        """What the policy sees of the held slots, and with `merge` the logits `[batch, kv_heads, group, ring,
+        slots]` of every query of the ring over them (what a fold weighs by; the policy's window is their last rows,
+        so they are computed once for both)."""
         s = self.slots
         uses_window = self.window > 0
         if uses_window and self.ring is None:
@@ -598,16 +601,24 @@ class H2OLayer(CompressedLayer):
                         key_bias=s.log_weight)
         if self.policy.uses_values:
             view.values = self._plain(s.values)
+        ring_logits = None
+        if self.options.merge:  # merge policies all read a window of queries
+            r = self.ring
+            ring_logits = window_logits(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling,
+                                        key_bias=s.log_weight)
         if uses_window:
             r = self.ring.last(self.window)
             if self.policy.uses_queries:  # the policy reads the queries themselves
                 view.queries, view.query_positions, view.query_valid = r.queries, r.positions, r.valid
                 view.scaling = r.scaling
             else:
-                logits = window_logits(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling,
-                                       key_bias=s.log_weight)
+                if ring_logits is not None:
+                    logits = ring_logits[:, :, :, -len(r):]
+                else:
+                    logits = window_logits(r.queries, r.positions, r.valid, keys, s.positions, s.valid, r.scaling,
+                                           key_bias=s.log_weight)
                 view.window = window_attention(logits, view.values if self.policy.output_error else None)
-        return view
+        return view, ring_logits
 
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:
         """Keep the policy's `budget` slots of every (row, KV head) (default: the options' budget for the tokens
@@ -617,31 +628,30 @@ class H2OLayer(CompressedLayer):
         if budget is None:
             budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
         if self.options.head_budgets:
-            view = self.slot_view()
+            view, ring_logits = self.slot_view()
             keep = self.policy.select_across_heads(view, budget, protect_last=protect_last)
             if keep is not None and self.options.merge:
-                self._fold(view, keep)
+                self._fold(view, ring_logits, keep)
             self._compact(keep if keep is not None else self.slots.positions >= 0)
             return
         if budget >= self.tokens_held():
             return
-        view = self.slot_view()
+        view, ring_logits = self.slot_view()
         keep = self.policy.select(view, budget, protect_last=protect_last, shared=self.options.shared_heads)
         if keep is not None:
             if self.options.merge:
                 mask = torch.zeros_like(self.slots.valid).scatter_(-1, keep, True)
-                self._fold(view, mask)
+                self._fold(view, ring_logits, mask)
             self.slots = self.slots.select(keep)
 
-    def _fold(self, view: SlotView, keep: torch.Tensor) -> None:
+    def _fold(self, view: SlotView, logits: torch.Tensor, keep: torch.Tensor) -> None:
         """`merge`: fold the real tokens about to be evicted (not in `keep [batch, kv_heads, slots]`) into kept slots
-        (`caches.merge.fold_evicted`), weighted by the attention of the queries the ring holds."""
+        (`caches.merge.fold_evicted`), weighted by the attention of the queries the ring holds (their `logits`, from
+        `slot_view`)."""
         s, r = self.slots, self.ring
-        logits = window_logits(r.queries, r.positions, r.valid, view.keys, s.positions, s.valid, r.scaling,
-                               key_bias=s.log_weight)
         b, h, g, w, slots = logits.shape
         similarity = self.options.merge_similarity
-        held = self._plain(s.values)
+        held = view.values if view.values is not None else self._plain(s.values)
         values, log_weight = fold_evicted(
             logits.view(b, h, g * w, slots), r.positions.repeat(g), s.positions, view.keys, keep, s.valid & ~keep,
             held, s.log_weight, DEFAULT_MERGE_SIMILARITY if similarity is None else similarity,
