@@ -152,7 +152,8 @@ def main_args(args: argparse.Namespace) -> int:
     rows = run_suite(opts)
     print(headline(opts, rows))
     print(format_rows(rows))
-    write_json(args.json, rows)
+    command = getattr(args, "invocation", None)
+    write_json(args.json, [{**r, "command": command} for r in rows] if command else rows)
     if args.png:
         window = f"{opts.text} tokens {opts.start}:{opts.start + rows[0]['tokens']}" if rows else opts.text
         plot(points_of(rows, args.json or "compare"), args.title or f"{opts.model}, {window}", args.png)

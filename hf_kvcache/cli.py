@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
 import sys
 import time
 
@@ -227,8 +229,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def invocation(argv: list[str] | None = None) -> str:
+    """The command line that reproduces this run (`OMP_NUM_THREADS` first when it is set: it changes the timings),
+    kept in the rows a suite writes with `--json`."""
+    words = ["hf-kvcache", *(sys.argv[1:] if argv is None else argv)]
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(words)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.invocation = invocation(argv)
     import hf_kvcache  # noqa: F401  (registers the cache names)
 
     try:

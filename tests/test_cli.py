@@ -1,4 +1,6 @@
 import json
+import os
+import shlex
 import subprocess
 import sys
 
@@ -138,8 +140,10 @@ def test_compare_writes_rows_table_and_png(capsys, tmp_path):
     rows = json.loads(rows_path.read_text())
     labels = ["dynamic", "int8", "fp8", "int4", "k2", 'h2o {"budget": 0.5}']
     assert [r["cache"] for r in rows] == labels
+    command = shlex.split(rows[0]["command"].removeprefix(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')} "))
+    assert command[0] == "hf-kvcache" and command[1:4] == ["compare", "--text", "pydoc"] and command[-10:-4] == caches
     for r in rows:
-        assert r["tokens"] == 48 and r["bytes"] > 0 and r["perplexity"] > 1
+        assert r["command"] == rows[0]["command"] and r["tokens"] == 48 and r["bytes"] > 0 and r["perplexity"] > 1
         assert r["ratio"] == pytest.approx(r["fp16_bytes"] / r["bytes"])
         assert r["delta_pct"] == pytest.approx(100 * (r["perplexity"] / rows[0]["perplexity"] - 1))
     assert rows[0]["delta_pct"] == 0.0 and rows[3]["ratio"] > rows[1]["ratio"] > rows[0]["ratio"]
