@@ -30,7 +30,10 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import re
+import shlex
+import sys
 import time
 
 import torch
@@ -94,6 +97,12 @@ def run_trial(model, tokenizer, name: str, keep_fraction: float, trial: dict, ne
     return out | ({"length": trial["length"]} if "length" in trial else {})
 
 
+def _command() -> str:
+    """This run's command line, kept in every row it writes (`OMP_NUM_THREADS` first when set)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", *sys.argv])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trials")
@@ -133,7 +142,8 @@ def main() -> None:
         acc = {f"{d:g}": sum(r["correct"] for r in results if r["depth"] == d) / max(1, sum(r["depth"] == d for r in results))
                for d in depths}
         rows.append({"press": name, "mode": args.mode, "compression_ratio": args.compression_ratio, "accuracy": acc, "mean": sum(r["correct"] for r in results) / len(results),
-                     "trials": len(results), "seconds": time.perf_counter() - t0, "results": results})
+                     "trials": len(results), "seconds": time.perf_counter() - t0, "results": results,
+                     "command": _command()})
         print(f"{name}: " + "  ".join(f"depth {d}: {100 * a:.0f}%" for d, a in acc.items())
               + f"  mean {100 * rows[-1]['mean']:.1f}%  ({rows[-1]['seconds']:.0f} s)", flush=True)
     if args.json:

@@ -36,6 +36,9 @@ import argparse
 import contextlib
 import json
 import math
+import os
+import shlex
+import sys
 import time
 
 import torch
@@ -142,6 +145,12 @@ def stream_ppl(model, ids: torch.Tensor, press, chunk: int) -> dict:
     }
 
 
+def _command() -> str:
+    """This run's command line, kept in every row it writes (`OMP_NUM_THREADS` first when set)."""
+    threads = os.environ.get("OMP_NUM_THREADS")
+    return (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(["python", *sys.argv])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dump-ids", default=None, help="main env: only write the token ids to this .pt/.json file")
@@ -180,7 +189,7 @@ def main() -> None:
           f"{meta.get('text', '?')} {meta.get('start', '?')}:{meta.get('start', 0) + ids.shape[1]} "
           f"({ids.shape[1]} tokens) chunk={args.chunk} threads={args.threads} model={args.model_dir}", flush=True)
     base = {**{k: v for k, v in meta.items() if k != "model_dir"}, "model_dir": args.model_dir, "chunk": args.chunk,
-            "tokens": ids.shape[1], **env}
+            "tokens": ids.shape[1], **env, "command": _command()}
     window = args.snapkv_window or args.chunk - 1
     rows, baseline = [], None
 
