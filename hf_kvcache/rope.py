@@ -66,8 +66,10 @@ class KeyRotation:
         return cls(inv_freq, scaling)
 
     def _cos_sin(self, start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + n, dtype=torch.float32, device=device)
-        freqs = pos.unsqueeze(1) * self.inv_freq.to(device)
+        return self._cos_sin_at(torch.arange(start, start + n, dtype=torch.float32, device=device))
+
+    def _cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 
@@ -80,6 +82,19 @@ class KeyRotation:
     def derotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Undo `rotate` (fp32 result)."""
         cos, sin = self._cos_sin(start, x.shape[-2], x.device)
+        x = x.float()
+        return (x * cos - rotate_half(x) * sin) / self.scaling
+
+    def rotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Apply RoPE to `x [..., D]` whose vectors sit at `positions` (x's shape without D, or broadcastable to it;
+        any order, e.g. the slots an evicting cache kept). fp32 result."""
+        cos, sin = self._cos_sin_at(positions)
+        x = x.float()
+        return (x * cos + rotate_half(x) * sin) * self.scaling
+
+    def derotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Undo `rotate_at` (fp32 result)."""
+        cos, sin = self._cos_sin_at(positions)
         x = x.float()
         return (x * cos - rotate_half(x) * sin) / self.scaling
 

@@ -67,6 +67,7 @@ from ..policy import POLICIES, EvictionPolicy, SlotView
 from ..policy.base import window_attention, window_logits
 from ..policy.ring import QueryRing
 from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
+from ..quant.prerope import PreRopeKeys
 from ..rope import KeyRotation
 from .base import FP16_BYTES, CompressedCache, CompressedLayer
 from .merge import MERGE_MODES, fold_evicted
@@ -84,6 +85,8 @@ MISSING_MASS = (
 
 
 QUANT_BITS = (None, 8, 4, 2)
+KEY_QUANT = ("prerope", "token")  # how `quant_bits` stores keys (H2OOptions.key_quant)
+KEY_STATS_TOKENS = 32  # keys a layer holds before it fits `key_quant="prerope"`'s per-channel shift and scale
 WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
 MERGE_POLICIES = ("tova", "snapkv", "expected")  # policies that keep a ring of queries (what `merge` reads)
 MERGE_WINDOW = 32  # queries whose attention weighs a merge (the ring holds at least that many with `merge`)
@@ -118,7 +121,11 @@ class H2OOptions(CacheOptions):
     |v - o|` per query head (`policy.base.removal_error`), instead of by its attention; it replaces `value_norm`.
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
-    head), so `memory_stats()` shows the real bytes.
+    head), so `memory_stats()` shows the real bytes. `key_quant` (with `quant_bits`): `"prerope"` (default) quantizes
+    the keys with RoPE undone, each channel shifted by its mean and divided by its RMS (fitted once per layer from its
+    first 32 keys, float32 per KV head and channel, counted), and redoes RoPE on reading (`quant.prerope`; needs the
+    config); `"token"` quantizes the post-RoPE keys as they come. Qwen2.5-0.5B, tova 40 % at 4 bits, 8.19x: +0.52 %
+    perplexity with `"prerope"`, +96 % with `"token"` (README).
     `pyramid` p in [0, 1): per-layer budgets (PyramidKV-style), from (1 + p) x the budget in the first layer down to
     (1 - p) x in the last (same total). `min_budget`: with a ratio budget, never keep fewer than this many tokens
     (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
@@ -157,6 +164,7 @@ class H2OOptions(CacheOptions):
     output_error: bool | None = None
     quant_bits: int | None = None
     quant_group_size: int | None = None
+    key_quant: str | None = None
     pyramid: float | None = None
     min_budget: int | None = None
     head_budgets: bool = False
@@ -235,6 +243,10 @@ class H2OOptions(CacheOptions):
             if self.quant_bits is None:
                 raise ValueError("quant_group_size applies when quant_bits is set (8, 4 or 2)")
             check_positive_int("quant_group_size", self.quant_group_size)
+        if self.key_quant is not None:
+            check_choice("key_quant", self.key_quant, KEY_QUANT)
+            if self.quant_bits is None:
+                raise ValueError("key_quant applies when quant_bits is set (8, 4 or 2)")
         check_int("crop_window", self.crop_window, lo=0, allow_none=True, hint=" (queries kept so that crop can undo them)")
         if self.crop_window is not None and not policy.uses_mass:
             raise ValueError(f"crop_window applies to the policies that accumulate attention mass (h2o, hybrid), not "
@@ -273,6 +285,11 @@ class H2OOptions(CacheOptions):
                 f"pyramid must be a number in [0, 1) (layer budgets from (1 + pyramid) x budget in the first layer "
                 f"down to (1 - pyramid) x in the last), got {p!r}"
             )
+
+    @property
+    def prerope_keys(self) -> bool:
+        """Whether keys are stored quantized in the pre-RoPE frame (`quant_bits` with `key_quant="prerope"`)."""
+        return self.quant_bits is not None and (self.key_quant or "prerope") == "prerope"
 
     def budget_for(self, seen: int, scale: float = 1.0) -> int:
         """Tokens kept per KV head once `seen` tokens went through, in a layer whose budget is `scale` x the
@@ -409,6 +426,7 @@ class H2OLayer(CompressedLayer):
         self.crop_window = DEFAULT_CROP_WINDOW if crop is None else crop
         self.budget_scale = 1.0  # this layer's share of the budget (`pyramid`); set by H2OCache
         self.rope: KeyRotation | None = None  # the model's RoPE, for policies that need it; set by H2OCache
+        self.key_codec: PreRopeKeys | None = None  # quant_bits with key_quant="prerope"; set by H2OCache
         self.slots: H2OSlots | None = None  # what the layer holds (None before the first update)
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
@@ -446,6 +464,11 @@ class H2OLayer(CompressedLayer):
                         f"quant_group_size={group} must divide the {name} {dim} (and hold whole bytes of codes); "
                         f"choose a divisor of {dim} such as {dim // 2}, or leave it None (one group per head)"
                     )
+            if self.options.prerope_keys and self.key_codec is None:
+                raise ValueError(
+                    "quant_bits with key_quant='prerope' (the default) quantizes keys with the model's RoPE undone, "
+                    "which the layer gets from H2OCache(config=model.config, ...); or set key_quant='token'"
+                )
         super().lazy_initialization(key_states, value_states)
 
     # ---- storage ------------------------------------------------------------------------------------------------
@@ -467,8 +490,12 @@ class H2OLayer(CompressedLayer):
         b, h, n = key_states.shape[:3]
         start = self.cumulative_length - n
         dev = key_states.device
-        keys, values = (self._quantize(key_states), self._quantize(value_states)) if self.quantized else (
-            key_states, value_states)
+        if self.key_codec is not None:
+            keys, values = self._quantize_keys(key_states, start), self._quantize(value_states)
+        elif self.quantized:
+            keys, values = self._quantize(key_states), self._quantize(value_states)
+        else:
+            keys, values = key_states, value_states
         new = H2OSlots(
             keys, values,
             positions=torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous(),
@@ -483,20 +510,43 @@ class H2OLayer(CompressedLayer):
         them like any other slot tensor."""
         return quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
 
+    def _quantize_keys(self, keys: torch.Tensor, start: int) -> KIVIQuantized:
+        """`key_quant="prerope"`: codes of the new `keys [b, h, n, d]` (positions start..start+n-1). The layer fits
+        the per-channel shift and scale once it holds `KEY_STATS_TOKENS` keys; the few held before then (quantized
+        pre-RoPE with no shift and a unit scale) are quantized again with them."""
+        codec, n = self.key_codec, keys.shape[2]
+        pre = codec.derotate(keys, torch.arange(start, start + n, device=keys.device))
+        if not codec.fitted and self.tokens_held() + n >= KEY_STATS_TOKENS:
+            if self.slots is None:
+                codec.fit(pre)
+            else:
+                held = codec.dequantize_pre(self.slots.keys)
+                counted = torch.cat([self.slots.valid, torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)], 2)
+                codec.fit(torch.cat([held, pre], 2), counted)
+                self.slots = dataclasses.replace(self.slots, keys=codec.quantize_pre(held))
+        return codec.quantize_pre(pre)
+
     def _plain(self, x: Stored) -> torch.Tensor:
         return dequantize_kivi(x, self.dtype) if isinstance(x, KIVIQuantized) else x
 
+    def _plain_keys(self, slots: H2OSlots) -> torch.Tensor:
+        """The keys of rectangular `slots` in the model's dtype (RoPE redone at their positions with `key_codec`)."""
+        if self.key_codec is None:
+            return self._plain(slots.keys)
+        return self.key_codec.dequantize(slots.keys, slots.positions, self.dtype)
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._plain(self.slots.keys), self._plain(self.slots.values)
+        return self._plain_keys(self.slots), self._plain(self.slots.values)
 
     def held_keys(self) -> torch.Tensor:
         """`[batch, kv_heads, slots, head_dim]` the held keys in the model's dtype (dequantized when quantized)."""
-        return self._plain(self.slots.keys)
+        return self._plain_keys(self.slots)
 
     def held_tensors(self) -> list[torch.Tensor]:
         ring = [] if self.ring is None else self.ring.tensors()
         slots = [] if self.slots is None else self.slots.tensors()
-        return slots + ring + ([] if self.counts is None else [self.counts])
+        stats = [] if self.key_codec is None else self.key_codec.tensors()
+        return slots + ring + stats + ([] if self.counts is None else [self.counts])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {} if self.slots is None else self.slots.named()
@@ -532,7 +582,7 @@ class H2OLayer(CompressedLayer):
         """Keys `[batch, kv_heads, slots, head_dim]` and values `[.., value_dim]` held, in the model's dtype
         (dequantized when quantized; zeros in the slots a head does not hold)."""
         r = self._rect()
-        return self._plain(r.keys), self._plain(r.values)
+        return self._plain_keys(r), self._plain(r.values)
 
     # ---- what the attention function reports --------------------------------------------------------------------
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
@@ -815,6 +865,8 @@ class H2OLayer(CompressedLayer):
         self.slots = None
         self.counts = None
         self.stale_after_crop = None
+        if self.key_codec is not None:
+            self.key_codec.shift = self.key_codec.scale = None
         self._clear_queries()
 
 
@@ -829,6 +881,10 @@ class H2OCache(CompressedCache):
         policy = self.options.make_policy()
         if policy.needs_rope():
             self._attach_rope(config, policy.future)
+        if self.options.prerope_keys:
+            what = "quant_bits with key_quant='prerope' (the default)"
+            for layer, rope in self._layer_ropes(config, what, "key_quant='token'", "undoes RoPE on the keys"):
+                layer.key_codec = PreRopeKeys(rope, self.options.quant_bits, self.options.quant_group_size)
         if self.options.pyramid:
             if config is None:
                 raise ValueError("pyramid (per-layer budgets) needs the model config: H2OCache(config=model.config, ...)")
@@ -843,14 +899,18 @@ class H2OCache(CompressedCache):
         """Give every evicting layer the model's RoPE (`KeyRotation`), for a policy that moves queries `future`
         positions ahead with it."""
         what = f"policy={self.options.policy!r} with future={future}"
+        for layer, rope in self._layer_ropes(config, what, "future=0", "moves the recent queries by the model's RoPE"):
+            layer.rope = rope
+
+    def _layer_ropes(self, config: Any, what: str, instead: str, why: str) -> list[tuple[H2OLayer, KeyRotation]]:
+        """Each evicting layer with its RoPE (by layer type) from `config`; the errors say that `what` needs it
+        (`why`) and to set `instead` otherwise."""
         if config is None:
-            raise ValueError(f"{what} moves the recent queries by the model's RoPE, which needs the config: "
-                             "H2OCache(config=model.config, ...); or set future=0")
+            raise ValueError(f"{what} {why}, which needs the config: H2OCache(config=model.config, ...); or set {instead}")
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or [None] * len(self.layers)
-        for layer, layer_type in zip(self.layers, types):
-            if isinstance(layer, H2OLayer):
-                layer.rope = KeyRotation.from_config(config, layer_type=layer_type, user=what, instead="future=0")
+        return [(layer, KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead))
+                for layer, layer_type in zip(self.layers, types) if isinstance(layer, H2OLayer)]
 
     def evict_to(self, tokens: int, protect_last: int = 0) -> None:
         """Evict now, between two forwards, every layer down to `tokens` slots per (row, KV head) (`pyramid`: that

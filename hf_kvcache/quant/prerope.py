@@ -1,0 +1,79 @@
+"""Keys quantized per token in the pre-RoPE frame, each channel shifted and scaled first: `PreRopeKeys`.
+
+Why: a cache that evicts tokens holds them in an arbitrary, changing set of positions, so it quantizes per token (a
+group never spans two slots). Per-token groups of post-RoPE keys fail on models whose keys carry large per-channel
+offsets (Qwen2.5's k bias): a few channels set every group's range and crush the rest, and RoPE spins those offsets
+with the position, so no fixed correction fits them. Undoing RoPE first makes each channel's statistics position-
+free; subtracting each channel's mean and dividing by its RMS then gives every channel a comparable range, which
+per-token groups quantize about as well as KIVI's per-channel groups do (the error of a channel scales with its RMS).
+
+Codes: `KIVIQuantized` of `(R(-t) k_t - shift) / scale` (`[batch, kv_heads, tokens, packed]`, per-token fp16 scale /
+zero), read back as `R(t) (x * scale + shift)`. `shift` / `scale` are float32 `[1, kv_heads, 1, head_dim]`, fitted
+once per layer (`fit`) from the first keys it sees (shared by every batch row, so a reorder or a batch selection
+leaves them valid). Positions are the cache's indices: with left padding a row's true positions differ from them by
+a constant, and undoing then redoing RoPE at the same index is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..rope import KeyRotation
+from .kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
+
+MIN_SCALE = 1e-4  # a channel whose keys never vary is divided by this rather than by 0
+
+
+@dataclass
+class PreRopeKeys:
+    """Quantizer of one layer's keys (see the module docstring): `rope` the model's RoPE for the layer, `bits` /
+    `group_size` the KIVI per-token groups; `shift` / `scale` (float32 `[1, kv_heads, 1, head_dim]`) are None until
+    `fit` (until then keys are quantized pre-RoPE with no shift and a unit scale)."""
+
+    rope: KeyRotation
+    bits: int
+    group_size: int | None = None
+    shift: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+
+    @property
+    def fitted(self) -> bool:
+        return self.shift is not None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [] if self.shift is None else [self.shift, self.scale]
+
+    def derotate(self, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE `keys [b, h, n, d]` at `positions` (broadcastable to `[b, h, n]`) -> pre-RoPE, float32."""
+        return self.rope.derotate_at(keys, positions)
+
+    def fit(self, pre: torch.Tensor, weight: torch.Tensor | None = None) -> None:
+        """Per-channel mean and RMS about it of pre-RoPE keys `pre [b, h, n, d]`, over rows and tokens, counting only
+        the tokens where `weight [b, h, n]` (bool) is True when given."""
+        w = torch.ones(pre.shape[:-1], device=pre.device) if weight is None else weight.float()
+        w = w.unsqueeze(-1)
+        count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)
+        shift = (pre * w).sum(dim=(0, 2), keepdim=True) / count
+        var = ((pre - shift).square() * w).sum(dim=(0, 2), keepdim=True) / count
+        self.shift, self.scale = shift, var.sqrt().clamp_min(MIN_SCALE)
+
+    def quantize_pre(self, pre: torch.Tensor) -> KIVIQuantized:
+        """Codes of pre-RoPE keys `pre [b, h, n, d]` (float32)."""
+        if self.fitted:
+            pre = (pre - self.shift) / self.scale
+        return quantize_kivi(pre, self.bits, self.group_size or pre.shape[-1], axis="token")
+
+    def dequantize_pre(self, q: KIVIQuantized) -> torch.Tensor:
+        """The pre-RoPE keys `[b, h, n, d]` (float32) that `q` holds."""
+        pre = dequantize_kivi(q, torch.float32)
+        return pre * self.scale + self.shift if self.fitted else pre
+
+    def quantize(self, keys: torch.Tensor, positions: torch.Tensor) -> KIVIQuantized:
+        """Codes of post-RoPE `keys [b, h, n, d]` at `positions`."""
+        return self.quantize_pre(self.derotate(keys, positions))
+
+    def dequantize(self, q: KIVIQuantized, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The post-RoPE keys `[b, h, n, d]` in `dtype` that `q` holds for the slots at `positions [b, h, n]`."""
+        return self.rope.rotate_at(self.dequantize_pre(q), positions).to(dtype)
