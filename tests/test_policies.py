@@ -210,7 +210,9 @@ def test_quantized_storage_bytes_and_values(bits, group):
     layer = cache.layers[0]
     groups = D // (group or D)
     per_slot = 2 * (D * bits // 8 + 2 * 2 * groups) + 4 + 1  # codes + fp16 scale/zero, keys and values; pos, valid
-    ring = layer.ring.queries.nbytes + layer.ring.positions.nbytes + layer.ring.valid.nbytes
+    # tova's ring: the newest query, stored in 8 bits with quant_bits (int8 codes + one fp16 scale per query head)
+    assert layer.ring.stored.dtype == torch.int8 and len(layer.ring) == 1
+    ring = B * H * G * (D + 2) + layer.ring.positions.nbytes + layer.ring.valid.nbytes
     assert layer.nbytes() == B * H * 6 * per_slot + ring
     pos = kept(cache)
     mk, mv = layer.materialize()
@@ -280,6 +282,23 @@ def test_prerope_stats_fit_after_32_keys_requantize_the_first_and_count_in_bytes
     assert layer.nbytes() == before + B * H * 38 * per_slot + 2 * H * D * 4  # + float32 shift and scale
     cache.reset()
     assert not layer.key_codec.fitted
+
+
+def test_quantized_cache_keeps_its_query_ring_in_8_bits():
+    """With quant_bits, a window policy's ring holds int8 codes and one fp16 scale per query vector: across forwards
+    (extend, then the newest `window` kept) the decoded queries are the newest ones within half a step, plus the
+    fp16 rounding of the scale (at most 127 x 2^-11 of a step)."""
+    cache = H2OCache(config=tiny_config(), budget=6, policy="snapkv", window=4, quant_bits=4)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, H * G, 7, D, generator=g)
+    feed(cache, torch.randn(B, H, 5, D, generator=g), torch.randn(B, H, 5, D, generator=g), q=q[:, :, :5])
+    feed(cache, torch.randn(B, H, 2, D, generator=g), torch.randn(B, H, 2, D, generator=g), q=q[:, :, 5:])
+    ring = cache.layers[0].ring
+    assert ring.stored.dtype == torch.int8 and ring.query_scale.shape == (B, H * G, 4, 1)
+    assert ring.positions.tolist() == [3, 4, 5, 6]
+    step = q[:, :, 3:].abs().amax(-1, keepdim=True) / 127
+    assert ((ring.queries - q[:, :, 3:]).abs() <= step * (0.5 + 127 / 2048)).all()
+    assert sum(t.nbytes for t in ring.tensors()) == B * H * G * 4 * (D + 2) + 4 * 8 + B * 4
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,9 @@ sinks, strides, or a hybrid -- optionally storing the kept tokens quantized.
 
 Storage (per layer, `layer.slots`, an `H2OSlots`; every tensor `[batch, kv_heads, kept, ...]`): `keys`/`values [..,
 head_dim]` in the model's dtype, or with `quant_bits` their KIVI-style codes (`KIVIQuantized`: codes packed along
-head_dim, per-token fp16 scale / zero `[.., groups]`); `scores` (float32 attention mass received so far; only for
+head_dim, per-token fp16 scale / zero `[.., groups]`; keys by default with RoPE undone and each channel shifted and
+scaled first, by the layer's `key_codec`, `quant.prerope.PreRopeKeys`, whose float32 shift / scale `[1, kv_heads, 1,
+head_dim]` count too); `scores` (float32 attention mass received so far; only for
 policies that accumulate it, h2o / hybrid); `positions` (int32) and `valid` (bool, False for padding). Read them with
 `held_positions()`, `held_valid()`, `held_scores()`, `held_keys_values()` (rectangular also while compact). Each KV head keeps its
 own tokens, the same count for every head and row so the tensors stay rectangular; within a head the kept slots stay
@@ -124,8 +126,8 @@ class H2OOptions(CacheOptions):
     head), so `memory_stats()` shows the real bytes. `key_quant` (with `quant_bits`): `"prerope"` (default) quantizes
     the keys with RoPE undone, each channel shifted by its mean and divided by its RMS (fitted once per layer from its
     first 32 keys, float32 per KV head and channel, counted), and redoes RoPE on reading (`quant.prerope`; needs the
-    config); `"token"` quantizes the post-RoPE keys as they come. Qwen2.5-0.5B, tova 40 % at 4 bits, 8.19x: +0.52 %
-    perplexity with `"prerope"`, +96 % with `"token"` (README).
+    config); `"token"` quantizes the post-RoPE keys as they come. Qwen2.5-0.5B, tova 40 % at 4 bits: +0.53 % perplexity
+    at 8.12x with `"prerope"`, +96 % at 8.19x with `"token"` (README).
     `pyramid` p in [0, 1): per-layer budgets (PyramidKV-style), from (1 + p) x the budget in the first layer down to
     (1 - p) x in the last (same total). `min_budget`: with a ratio budget, never keep fewer than this many tokens
     (a ratio of the few tokens seen at the start of a stream is tiny: 20 % of the first 32 is 7).
@@ -435,7 +437,7 @@ class H2OLayer(CompressedLayer):
         self._clear_queries()
 
     def _clear_queries(self) -> None:
-        self.ring: QueryRing | None = None  # the last `query_window` queries (16-bit for window policies)
+        self.ring: QueryRing | None = None  # the last `query_window` queries (16- or 8-bit for window policies)
         self._new_queries = 0
 
     @property
@@ -588,15 +590,17 @@ class H2OLayer(CompressedLayer):
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
         """The last `query_window` queries of this forward `[batch, heads, w, head_dim]` (post-RoPE): kept in a ring
         of the last `query_window` queries, with their positions and padding flags; 16-bit for window policies (what
-        they read), the model's dtype for the mass policies (`crop` recomputes the mass they gave as the attention
-        computed it)."""
+        they read; 8-bit with `quant_bits`), the model's dtype for the mass policies (`crop` recomputes the mass they
+        gave as the attention computed it)."""
         if not self._pending or not self.query_window:
             return
         w = queries.shape[2]
         if w > self._pending:
             raise ValueError(f"{w} queries reported for {self._pending} new tokens")
         dtype = self.dtype
-        if self.window:
+        if self.window and self.quantized:
+            dtype = torch.int8
+        elif self.window:
             dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
         end = self.cumulative_length
         new = QueryRing.of_forward(queries, end - self._pending, end, scaling, dtype)

@@ -20,40 +20,63 @@ RowFn = Callable[[torch.Tensor], torch.Tensor]
 
 @dataclass
 class QueryRing:
-    """`queries [batch, heads, w, head_dim]` (post-RoPE) of the positions `positions [w]` (int64, ascending),
-    `valid [batch, w]` (False: a padding query), the attention `scaling`, and `forwards`: (start, end) of each
-    forward whose queries the ring holds (a crop inside a forward needs its bounds when the mass decays)."""
+    """The queries `[batch, heads, w, head_dim]` (post-RoPE; `queries`) of the positions `positions [w]` (int64,
+    ascending), `valid [batch, w]` (False: a padding query), the attention `scaling`, and `forwards`: (start, end) of
+    each forward whose queries the ring holds (a crop inside a forward needs its bounds when the mass decays).
 
-    queries: torch.Tensor
+    `stored`: the queries themselves, or (`query_scale` given) their int8 codes, each query vector scaled by its own
+    absolute maximum / 127 (`query_scale [batch, heads, w, 1]` fp16): an 8-bit ring for caches that store their
+    tokens quantized, where 16-bit queries would hold a large share of the bytes (GQA: more query heads than KV)."""
+
+    stored: torch.Tensor
     positions: torch.Tensor
     valid: torch.Tensor
     scaling: float = 1.0
     forwards: tuple[tuple[int, int], ...] = ()
+    query_scale: torch.Tensor | None = None
 
     @classmethod
     def of_forward(cls, queries: torch.Tensor, start: int, end: int, scaling: float, dtype: torch.dtype) -> "QueryRing":
         """The last `w` queries `[batch, heads, w, head_dim]` of a forward of positions `start .. end - 1`, copied
-        in `dtype` (a slice would keep the model's whole query tensor alive)."""
+        in `dtype` (a slice would keep the model's whole query tensor alive); `torch.int8`: 8-bit codes, one fp16
+        scale per query vector."""
         w = queries.shape[2]
-        q = queries.detach().to(dtype).clone(memory_format=torch.contiguous_format)
+        q, scale = queries.detach(), None
+        if dtype == torch.int8:
+            scale = (q.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
+            q = (q.float() / scale).round_().to(torch.int8)
+            scale = scale.half()
+        else:
+            q = q.to(dtype).clone(memory_format=torch.contiguous_format)
         pos = torch.arange(end - w, end, device=q.device)
         valid = torch.ones(q.shape[0], w, dtype=torch.bool, device=q.device)
-        return cls(q, pos, valid, float(scaling), ((start, end),))
+        return cls(q, pos, valid, float(scaling), ((start, end),), scale)
+
+    @property
+    def queries(self) -> torch.Tensor:
+        """`[batch, heads, w, head_dim]`: as stored, or decoded to float32 from the 8-bit codes."""
+        return self.stored if self.query_scale is None else self.stored.float() * self.query_scale.float()
 
     def __len__(self) -> int:
         return self.positions.shape[0]
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.queries, self.positions, self.valid]
+        return [self.stored, self.positions, self.valid] + ([] if self.query_scale is None else [self.query_scale])
+
+    def _per_query(self, fn: RowFn) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`fn` applied to the stored queries and their scales."""
+        return fn(self.stored), None if self.query_scale is None else fn(self.query_scale)
 
     def map_rows(self, fn: RowFn) -> "QueryRing":
         """A batch-dim operation (beam reorder, row selection, repetition) on the per-row tensors."""
-        return QueryRing(fn(self.queries), self.positions, fn(self.valid), self.scaling, self.forwards)
+        stored, scale = self._per_query(fn)
+        return QueryRing(stored, self.positions, fn(self.valid), self.scaling, self.forwards, scale)
 
     def select(self, keep: torch.Tensor) -> "QueryRing":
         """The queries where `keep [w]` (bool) is True, copied; `forwards` cut to the positions kept."""
         pos = self.positions[keep].clone()
-        ring = QueryRing(self.queries[:, :, keep].clone(), pos, self.valid[:, keep].clone(), self.scaling)
+        stored, scale = self._per_query(lambda t: t[:, :, keep].clone())
+        ring = QueryRing(stored, pos, self.valid[:, keep].clone(), self.scaling, query_scale=scale)
         if len(pos):
             first, last = int(pos[0]), int(pos[-1]) + 1
             ring.forwards = tuple((s, min(e, last)) for s, e in self.forwards if e > first and s < last)
@@ -73,11 +96,12 @@ class QueryRing:
 
     def extend(self, newer: "QueryRing", length: int) -> "QueryRing":
         """This ring followed by `newer`, keeping the newest `length` queries (just `newer` when the batch changed)."""
-        if self.queries.shape[0] != newer.queries.shape[0] or self.queries.dtype != newer.queries.dtype:
+        if self.stored.shape[0] != newer.stored.shape[0] or self.stored.dtype != newer.stored.dtype:
             return newer.last(length)
+        scale = None if self.query_scale is None else torch.cat([self.query_scale, newer.query_scale], 2)
         ring = QueryRing(
-            torch.cat([self.queries, newer.queries], 2), torch.cat([self.positions, newer.positions]),
-            torch.cat([self.valid, newer.valid], 1), newer.scaling, self.forwards + newer.forwards,
+            torch.cat([self.stored, newer.stored], 2), torch.cat([self.positions, newer.positions]), torch.cat([self.valid, newer.valid], 1),
+            newer.scaling, self.forwards + newer.forwards, scale,
         )
         return ring.last(length)
 
@@ -105,7 +129,8 @@ class QueryRing:
         logits in that dtype, as the attention computed them, so that subtracting the result undoes what it added;
         otherwise they are computed in float32."""
         keep = (self.positions >= start) & (self.positions < end)
+        queries = self.queries
         return window_attention(window_logits(
-            self.queries[:, :, keep], self.positions[keep], self.valid[:, keep], keys, key_positions, key_valid,
-            self.scaling, in_dtype=self.queries.dtype == keys.dtype,
+            queries[:, :, keep], self.positions[keep], self.valid[:, keep], keys, key_positions, key_valid,
+            self.scaling, in_dtype=queries.dtype == keys.dtype,
         ))
