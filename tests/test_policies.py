@@ -210,9 +210,9 @@ def test_quantized_storage_bytes_and_values(bits, group):
     layer = cache.layers[0]
     groups = D // (group or D)
     per_slot = 2 * (D * bits // 8 + 2 * 2 * groups) + 4 + 1  # codes + fp16 scale/zero, keys and values; pos, valid
-    # tova's ring: the newest query, stored in 8 bits with quant_bits (int8 codes + one fp16 scale per query head)
-    assert layer.ring.stored.dtype == torch.int8 and len(layer.ring) == 1
-    ring = B * H * G * (D + 2) + layer.ring.positions.nbytes + layer.ring.valid.nbytes
+    # tova's ring: the newest query, kept in 16 bits also with quant_bits (one query is not worth rounding)
+    assert layer.ring.stored.dtype == torch.float16 and len(layer.ring) == 1
+    ring = B * H * G * D * 2 + layer.ring.positions.nbytes + layer.ring.valid.nbytes
     assert layer.nbytes() == B * H * 6 * per_slot + ring
     pos = kept(cache)
     mk, mv = layer.materialize()

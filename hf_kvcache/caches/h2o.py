@@ -590,7 +590,7 @@ class H2OLayer(CompressedLayer):
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
         """The last `query_window` queries of this forward `[batch, heads, w, head_dim]` (post-RoPE): kept in a ring
         of the last `query_window` queries, with their positions and padding flags; 16-bit for window policies (what
-        they read; 8-bit with `quant_bits`), the model's dtype for the mass policies (`crop` recomputes the mass they
+        they read; 8-bit with `quant_bits` when the ring holds more than one query), the model's dtype for the mass policies (`crop` recomputes the mass they
         gave as the attention computed it)."""
         if not self._pending or not self.query_window:
             return
@@ -598,8 +598,8 @@ class H2OLayer(CompressedLayer):
         if w > self._pending:
             raise ValueError(f"{w} queries reported for {self._pending} new tokens")
         dtype = self.dtype
-        if self.window and self.quantized:
-            dtype = torch.int8
+        if self.window and self.quantized and self.query_window > 1:
+            dtype = torch.int8  # one query per head (tova) costs too few bytes to round: 8-bit rings moved its ranks
         elif self.window:
             dtype = torch.bfloat16 if self.dtype == torch.bfloat16 else torch.float16
         end = self.cumulative_length

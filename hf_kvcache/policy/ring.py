@@ -43,9 +43,8 @@ class QueryRing:
         w = queries.shape[2]
         q, scale = queries.detach(), None
         if dtype == torch.int8:
-            scale = (q.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-8)
-            q = (q.float() / scale).round_().to(torch.int8)
-            scale = scale.half()
+            scale = (q.float().abs().amax(-1, keepdim=True) / 127).clamp_min(1e-7).half()  # fp16 before the codes
+            q = (q.float() / scale.float()).round_().clamp_(-127, 127).to(torch.int8)
         else:
             q = q.to(dtype).clone(memory_format=torch.contiguous_format)
         pos = torch.arange(end - w, end, device=q.device)
