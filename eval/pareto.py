@@ -4,7 +4,8 @@
 
 Rows of several files merge (a later file's row replaces an earlier one of the same label, so reruns win); every
 row needs `cache`, `perplexity`, `ratio` and `delta_pct` (measured against the baseline of its own run, which must be
-the same model, text and tokens: `--baseline-ppl` checks that every file's baseline agrees). A row is on the front
+the same model, text and tokens: every file's baseline must agree; `--tokens N` keeps the rows of N-token runs only,
+for files that hold several windows). A row is on the front
 when no other row is at least as small (ratio) and at least as good (delta), better in one.
 """
 
@@ -29,8 +30,10 @@ class Point:
                 and (other.ratio > self.ratio or other.delta_pct < self.delta_pct))
 
 
-def load_points(paths: list[str], baseline_ppl: float | None = None, tolerance: float = 1e-3) -> list[Point]:
-    """Rows of every file, later files winning on a label; the baseline rows (delta 0) are checked to agree."""
+def load_points(paths: list[str], baseline_ppl: float | None = None, tolerance: float = 1e-3,
+                tokens: int | None = None) -> list[Point]:
+    """Rows of every file (of `tokens`-token runs only, when given), later files winning on a label; the baseline
+    rows (delta 0) are checked to agree."""
     points: dict[str, Point] = {}
     for path in paths:
         try:
@@ -44,6 +47,8 @@ def load_points(paths: list[str], baseline_ppl: float | None = None, tolerance: 
             missing = [k for k in ("cache", "perplexity", "ratio", "delta_pct") if k not in row]
             if missing:
                 raise ValueError(f"a row of {path} lacks {missing}; write it with hf-kvcache bench --json")
+            if tokens is not None and row.get("tokens") != tokens:
+                continue
             if row["delta_pct"] == 0.0:
                 base = row["perplexity"]
                 baseline_ppl = base if baseline_ppl is None else baseline_ppl
@@ -97,10 +102,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--title", default="", help="plot title (e.g. the model)")
     p.add_argument("--out", default=None, help="write OUT.md (table) and OUT.png (plot)")
     p.add_argument("--drop", nargs="*", default=[], help="labels to leave out (e.g. the baseline)")
+    p.add_argument("--tokens", type=int, default=None, help="only the rows of runs over this many tokens")
 
 
 def main_args(args: argparse.Namespace) -> int:
-    points = [p for p in load_points(args.rows) if p.label not in set(args.drop)]
+    points = [p for p in load_points(args.rows, tokens=args.tokens) if p.label not in set(args.drop)]
+    if not points:
+        raise ValueError(f"no rows of {args.tokens}-token runs in {args.rows}; drop --tokens or pick a window they hold")
     text = table(points)
     print(text)
     if args.out:

@@ -62,3 +62,16 @@ def test_proxy_correlation(tmp_path):
     assert r == pytest.approx(0.9127, abs=1e-3)  # numpy.corrcoef of the same points
     with pytest.raises(ValueError, match="at least 3"):
         correlation([0.1, 0.2], [1.0, 2.0])
+
+
+def test_tokens_keeps_one_window_of_a_file_that_holds_two(tmp_path, capsys):
+    rows = [{"cache": c, "perplexity": p, "ratio": r, "delta_pct": d, "tokens": t} for c, p, r, d, t in (
+        ("dynamic", 50.0, 0.5, 0.0, 2048), ("tiered", 50.2, 4.5, 0.4, 2048),
+        ("dynamic", 40.0, 0.5, 0.0, 4096), ("tiered", 40.4, 4.8, 1.0, 4096))]
+    path = tmp_path / "two.json"
+    path.write_text(json.dumps(rows))
+    with pytest.raises(ValueError, match="baseline perplexity 40.000 differs from 50.000"):
+        load_points([str(path)])
+    assert {p.label: p.ratio for p in load_points([str(path)], tokens=4096)} == {"dynamic": 0.5, "tiered": 4.8}
+    assert main(["pareto", str(path), "--tokens", "1024"]) == 2
+    assert "no rows of 1024-token runs" in capsys.readouterr().err
