@@ -108,7 +108,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def main_args(args: argparse.Namespace) -> int:
     points = [p for p in load_points(args.rows, tokens=args.tokens) if p.label not in set(args.drop)]
     if not points:
-        raise ValueError(f"no rows of {args.tokens}-token runs in {args.rows}; drop --tokens or pick a window they hold")
+        raise ValueError(f"no rows of {args.tokens}-token runs in {args.rows}; drop --tokens or pick a window "
+                         "they hold")
     text = table(points)
     print(text)
     if args.out:

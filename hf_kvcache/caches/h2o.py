@@ -523,8 +523,8 @@ class H2OLayer(CompressedLayer):
                 codec.fit(pre)
             else:
                 held = codec.dequantize_pre(self.slots.keys)
-                counted = torch.cat([self.slots.valid, torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)], 2)
-                codec.fit(torch.cat([held, pre], 2), counted)
+                new = torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)
+                codec.fit(torch.cat([held, pre], 2), torch.cat([self.slots.valid, new], 2))
                 self.slots = dataclasses.replace(self.slots, keys=codec.quantize_pre(held))
         return codec.quantize_pre(pre)
 
@@ -590,8 +590,8 @@ class H2OLayer(CompressedLayer):
     def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
         """The last `query_window` queries of this forward `[batch, heads, w, head_dim]` (post-RoPE): kept in a ring
         of the last `query_window` queries, with their positions and padding flags; 16-bit for window policies (what
-        they read; 8-bit with `quant_bits` when the ring holds more than one query), the model's dtype for the mass policies (`crop` recomputes the mass they
-        gave as the attention computed it)."""
+        they read; 8-bit with `quant_bits` when the ring holds more than one query), the model's dtype for the mass
+        policies (`crop` recomputes the mass they gave as the attention computed it)."""
         if not self._pending or not self.query_window:
             return
         w = queries.shape[2]
@@ -910,7 +910,8 @@ class H2OCache(CompressedCache):
         """Each evicting layer with its RoPE (by layer type) from `config`; the errors say that `what` needs it
         (`why`) and to set `instead` otherwise."""
         if config is None:
-            raise ValueError(f"{what} {why}, which needs the config: H2OCache(config=model.config, ...); or set {instead}")
+            raise ValueError(f"{what} {why}, which needs the config: H2OCache(config=model.config, ...); "
+                             f"or set {instead}")
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or [None] * len(self.layers)
         return [(layer, KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead))

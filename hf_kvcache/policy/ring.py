@@ -99,8 +99,8 @@ class QueryRing:
             return newer.last(length)
         scale = None if self.query_scale is None else torch.cat([self.query_scale, newer.query_scale], 2)
         ring = QueryRing(
-            torch.cat([self.stored, newer.stored], 2), torch.cat([self.positions, newer.positions]), torch.cat([self.valid, newer.valid], 1),
-            newer.scaling, self.forwards + newer.forwards, scale,
+            torch.cat([self.stored, newer.stored], 2), torch.cat([self.positions, newer.positions]),
+            torch.cat([self.valid, newer.valid], 1), newer.scaling, self.forwards + newer.forwards, scale,
         )
         return ring.last(length)
 
