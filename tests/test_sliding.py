@@ -136,3 +136,58 @@ def test_sliding_layers_keep_a_kivi_archive_by_default(quantizer):
     assert full.plan.archive_quantizer == quantizer and full.plan.archive_rank == 16
     same = TieredQuantCache(config=cfg, archive_quantizer=quantizer, sliding=None).layers[0]
     assert same.plan.archive_quantizer == quantizer
+
+
+# ---- H2OCache with quant_bits: sliding layers hold their window quantized ------------------------------------------
+def test_h2o_quant_bits_keeps_sliding_windows_quantized(tiny_gemma):
+    """A sliding layer holds the newest WINDOW - 1 tokens as 8-bit codes (keys pre-RoPE), with transformers' mask
+    sizes; with nothing evicted the logits stay the full model's (measured max difference 6.6e-3 of 0.65)."""
+    from hf_kvcache import H2OCache
+    from hf_kvcache.caches.window import QuantizedWindowLayer
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    model = tiny_gemma
+    ids = torch.randint(0, 256, (1, 200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(ids).logits
+    cache = H2OCache(config=model.config, budget=1.0, policy="tova", quant_bits=8)
+    model.set_attn_implementation("hf_kvcache")
+    try:
+        got = stream(model, cache, ids, 4)
+    finally:
+        model.set_attn_implementation("sdpa")
+    sliding = cache.layers[0]
+    assert isinstance(sliding, QuantizedWindowLayer) and sliding.tokens_held() == WINDOW - 1
+    assert sliding.get_mask_sizes(1) == (WINDOW, 200 - WINDOW + 1)
+    assert sliding.key_codec.fitted  # a window under 32 tokens fits its key statistics too
+    # codes (32 B) + fp16 scale and zero (4 B) per token and tensor, + float32 shift and scale of the keys
+    assert sliding.nbytes() == 2 * (WINDOW - 1) * (32 + 4) + 2 * 32 * 4
+    assert sliding.nbytes() < sliding.fp16_bytes() / 1.5  # 1.54x at this tiny window (the stats are 256 B)
+    torch.testing.assert_close(got, ref, atol=8e-3, rtol=0)
+    assert isinstance(H2OCache(config=model.config, budget=0.5).layers[0], DynamicSlidingWindowLayer)
+
+
+def test_quantized_window_crops_until_it_drops_and_follows_beams(tiny_gemma):
+    from hf_kvcache import H2OCache
+
+    model = tiny_gemma
+    model.set_attn_implementation("hf_kvcache")
+    try:
+        ids = torch.randint(0, 256, (2, 30), generator=torch.Generator().manual_seed(3))
+        cache = H2OCache(config=model.config, budget=1.0, policy="tova", quant_bits=4)
+        with torch.no_grad():
+            model(ids[:, :20], past_key_values=cache)
+            cache.crop(-3)  # nothing dropped yet: crop works
+            assert cache.layers[0].tokens_held() == 17 and cache.get_seq_length() == 17
+            model(ids[:, 17:30], past_key_values=cache)  # 30 seen: the window dropped the oldest
+            with pytest.raises(ValueError, match="has dropped the tokens before its window"):
+                cache.layers[0].crop(-2)
+            before, _ = cache.layers[0].materialize()
+            cache.reorder_cache(torch.tensor([1, 0]))
+            after, _ = cache.layers[0].materialize()
+            torch.testing.assert_close(after, before.flip(0))
+        out = model.generate(ids[:, :12], max_new_tokens=20, num_beams=2, do_sample=False, cache_implementation="h2o",
+                             cache_config={"budget": 0.5, "policy": "snapkv", "quant_bits": 4})
+        assert out.shape == (2, 32)
+    finally:
+        model.set_attn_implementation("sdpa")

@@ -73,6 +73,7 @@ from ..quant.prerope import PreRopeKeys
 from ..rope import KeyRotation
 from .base import FP16_BYTES, CompressedCache, CompressedLayer
 from .merge import MERGE_MODES, fold_evicted
+from .window import QuantizedWindowLayer
 
 DEFAULT_SINK_LENGTH = 4
 DEFAULT_CROP_WINDOW = 32  # queries kept so that `crop` can undo what they did (see H2OOptions.crop_window)
@@ -88,7 +89,6 @@ MISSING_MASS = (
 
 QUANT_BITS = (None, 8, 4, 2)
 KEY_QUANT = ("prerope", "token")  # how `quant_bits` stores keys (H2OOptions.key_quant)
-KEY_STATS_TOKENS = 32  # keys a layer holds before it fits `key_quant="prerope"`'s per-channel shift and scale
 WINDOW_POLICIES = ("snapkv", "expected")  # policies whose query window `window` sets
 MERGE_POLICIES = ("tova", "snapkv", "expected")  # policies that keep a ring of queries (what `merge` reads)
 MERGE_WINDOW = 32  # queries whose attention weighs a merge (the ring holds at least that many with `merge`)
@@ -124,8 +124,8 @@ class H2OOptions(CacheOptions):
     `quant_bits`: None keeps the kept tokens in the model's dtype; 8, 4 or 2 stores them quantized (KIVI-style
     asymmetric min/max groups of `quant_group_size` channels per token, fp16 scale and zero; default group: the whole
     head), so `memory_stats()` shows the real bytes. `key_quant` (with `quant_bits`): `"prerope"` (default) quantizes
-    the keys with RoPE undone, each channel shifted by its mean and divided by its RMS (fitted once per layer from its
-    first 32 keys, float32 per KV head and channel, counted), and redoes RoPE on reading (`quant.prerope`; needs the
+    the keys with RoPE undone, each channel shifted by its mean and divided by its RMS (fitted once per layer, from
+    the keys it holds when it has seen 32, float32 per KV head and channel, counted), and redoes RoPE on reading (`quant.prerope`; needs the
     config); `"token"` quantizes the post-RoPE keys as they come. Qwen2.5-0.5B, tova 40 % at 4 bits: +0.53 % perplexity
     at 8.12x with `"prerope"`, +96 % at 8.19x with `"token"` (README).
     `pyramid` p in [0, 1): per-layer budgets (PyramidKV-style), from (1 + p) x the budget in the first layer down to
@@ -513,20 +513,13 @@ class H2OLayer(CompressedLayer):
         return quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
 
     def _quantize_keys(self, keys: torch.Tensor, start: int) -> KIVIQuantized:
-        """`key_quant="prerope"`: codes of the new `keys [b, h, n, d]` (positions start..start+n-1). The layer fits
-        the per-channel shift and scale once it holds `KEY_STATS_TOKENS` keys; the few held before then (quantized
-        pre-RoPE with no shift and a unit scale) are quantized again with them."""
-        codec, n = self.key_codec, keys.shape[2]
-        pre = codec.derotate(keys, torch.arange(start, start + n, device=keys.device))
-        if not codec.fitted and self.tokens_held() + n >= KEY_STATS_TOKENS:
-            if self.slots is None:
-                codec.fit(pre)
-            else:
-                held = codec.dequantize_pre(self.slots.keys)
-                new = torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)
-                codec.fit(torch.cat([held, pre], 2), torch.cat([self.slots.valid, new], 2))
-                self.slots = dataclasses.replace(self.slots, keys=codec.quantize_pre(held))
-        return codec.quantize_pre(pre)
+        """`key_quant="prerope"`: codes of the new `keys [b, h, n, d]` (positions start..start+n-1); the held keys
+        are quantized again when the codec fits its statistics now (`PreRopeKeys.encode`)."""
+        s = self.slots
+        held, new = self.key_codec.encode(keys, start, None if s is None else s.keys, None if s is None else s.valid)
+        if s is not None and held is not s.keys:
+            self.slots = dataclasses.replace(s, keys=held)
+        return new
 
     def _plain(self, x: Stored) -> torch.Tensor:
         return dequantize_kivi(x, self.dtype) if isinstance(x, KIVIQuantized) else x
@@ -887,7 +880,9 @@ class H2OCache(CompressedCache):
             self._attach_rope(config, policy.future)
         if self.options.prerope_keys:
             what = "quant_bits with key_quant='prerope' (the default)"
-            for layer, rope in self._layer_ropes(config, what, "key_quant='token'", "undoes RoPE on the keys"):
+            ropes = self._layer_ropes(config, what, "key_quant='token'", "undoes RoPE on the keys",
+                                      kinds=(H2OLayer, QuantizedWindowLayer))
+            for layer, rope in ropes:
                 layer.key_codec = PreRopeKeys(rope, self.options.quant_bits, self.options.quant_group_size)
         if self.options.pyramid:
             if config is None:
@@ -906,16 +901,23 @@ class H2OCache(CompressedCache):
         for layer, rope in self._layer_ropes(config, what, "future=0", "moves the recent queries by the model's RoPE"):
             layer.rope = rope
 
-    def _layer_ropes(self, config: Any, what: str, instead: str, why: str) -> list[tuple[H2OLayer, KeyRotation]]:
-        """Each evicting layer with its RoPE (by layer type) from `config`; the errors say that `what` needs it
-        (`why`) and to set `instead` otherwise."""
+    def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
+        """With `quant_bits`, sliding-window layers hold their window quantized (`QuantizedWindowLayer`)."""
+        if layer_type == "sliding_attention" and self.options.quant_bits is not None:
+            return QuantizedWindowLayer(self.options, kwargs["sliding_window"])
+        return super()._make_layer(layer_type, kwargs, layer_idx)
+
+    def _layer_ropes(self, config: Any, what: str, instead: str, why: str,
+                     kinds: tuple[type, ...] = (H2OLayer,)) -> list[tuple[Any, KeyRotation]]:
+        """Each layer of `kinds` (evicting layers by default) with its RoPE (by layer type) from `config`; the errors
+        say that `what` needs it (`why`) and to set `instead` otherwise."""
         if config is None:
             raise ValueError(f"{what} {why}, which needs the config: H2OCache(config=model.config, ...); "
                              f"or set {instead}")
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or [None] * len(self.layers)
         return [(layer, KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead))
-                for layer, layer_type in zip(self.layers, types) if isinstance(layer, H2OLayer)]
+                for layer, layer_type in zip(self.layers, types) if isinstance(layer, kinds)]
 
     def evict_to(self, tokens: int, protect_last: int = 0) -> None:
         """Evict now, between two forwards, every layer down to `tokens` slots per (row, KV head) (`pyramid`: that

@@ -24,6 +24,7 @@ from ..rope import KeyRotation
 from .kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
 
 MIN_SCALE = 1e-4  # a channel whose keys never vary is divided by this rather than by 0
+FIT_TOKENS = 32  # keys a layer has seen when it fits the per-channel shift and scale (from the keys it holds then)
 
 
 @dataclass
@@ -73,6 +74,27 @@ class PreRopeKeys:
     def quantize(self, keys: torch.Tensor, positions: torch.Tensor) -> KIVIQuantized:
         """Codes of post-RoPE `keys [b, h, n, d]` at `positions`."""
         return self.quantize_pre(self.derotate(keys, positions))
+
+    def encode(self, keys: torch.Tensor, start: int, held: KIVIQuantized | None = None,
+               held_valid: torch.Tensor | None = None) -> tuple[KIVIQuantized | None, KIVIQuantized]:
+        """Codes of the new post-RoPE `keys [b, h, n, d]` (positions start..start+n-1), and the codes of the keys
+        held already (`held`, their padding flags `held_valid [b, h, held]`). The stats are fitted, from the held
+        and the new keys, once the positions seen reach `FIT_TOKENS` (a layer that holds fewer, a small budget or a
+        short window, fits from what it holds); the few keys held before then (quantized pre-RoPE with no shift and
+        a unit scale) are quantized again with them, so their new codes come back; otherwise `held` comes back as it
+        is."""
+        n = keys.shape[2]
+        pre = self.derotate(keys, torch.arange(start, start + n, device=keys.device))
+        if not self.fitted and start + n >= FIT_TOKENS:
+            if held is None:
+                self.fit(pre)
+            else:
+                old = self.dequantize_pre(held)
+                valid = torch.ones(old.shape[:-1], dtype=torch.bool, device=old.device) if held_valid is None else held_valid
+                new = torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)
+                self.fit(torch.cat([old, pre], 2), torch.cat([valid, new], 2))
+                held = self.quantize_pre(old)
+        return held, self.quantize_pre(pre)
 
     def dequantize(self, q: KIVIQuantized, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The post-RoPE keys `[b, h, n, d]` in `dtype` that `q` holds for the slots at `positions [b, h, n]`."""
