@@ -88,15 +88,23 @@ class KeyRotation:
     def rotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to `x [..., D]` whose vectors sit at `positions` (x's shape without D, or broadcastable to it;
         any order, e.g. the slots an evicting cache kept). fp32 result."""
-        cos, sin = self._cos_sin_at(positions)
-        x = x.float()
-        return (x * cos + rotate_half(x) * sin) * self.scaling
+        return self._turn_at(x, positions, 1.0) * self.scaling
 
     def derotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Undo `rotate_at` (fp32 result)."""
-        cos, sin = self._cos_sin_at(positions)
+        return self._turn_at(x, positions, -1.0) / self.scaling
+
+    def _turn_at(self, x: torch.Tensor, positions: torch.Tensor, sign: float) -> torch.Tensor:
+        """`x * cos + sign * rotate_half(x) * sin` at `positions`, written per half of the last dim so that the
+        angles are computed for D/2 frequencies only (the same numbers as the full-width formula, bit for bit)."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        cos, sin = freqs.cos(), freqs.sin()
         x = x.float()
-        return (x * cos - rotate_half(x) * sin) / self.scaling
+        half = x.shape[-1] // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        if sign > 0:
+            return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+        return torch.cat((x1 * cos + x2 * sin, x2 * cos - x1 * sin), dim=-1)
 
     def mean_rotate(self, x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """`x [..., T, D]` moved by RoPE by each of `offsets [T, F]` positions (its own row for each of the T
