@@ -66,10 +66,8 @@ class KeyRotation:
         return cls(inv_freq, scaling)
 
     def _cos_sin(self, start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._cos_sin_at(torch.arange(start, start + n, dtype=torch.float32, device=device))
-
-    def _cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        pos = torch.arange(start, start + n, dtype=torch.float32, device=device)
+        freqs = pos.unsqueeze(1) * self.inv_freq.to(device)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
 

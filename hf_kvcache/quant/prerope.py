@@ -71,10 +71,6 @@ class PreRopeKeys:
         pre = dequantize_kivi(q, torch.float32)
         return pre * self.scale + self.shift if self.fitted else pre
 
-    def quantize(self, keys: torch.Tensor, positions: torch.Tensor) -> KIVIQuantized:
-        """Codes of post-RoPE `keys [b, h, n, d]` at `positions`."""
-        return self.quantize_pre(self.derotate(keys, positions))
-
     def encode(self, keys: torch.Tensor, start: int, held: KIVIQuantized | None = None,
                held_valid: torch.Tensor | None = None) -> tuple[KIVIQuantized | None, KIVIQuantized]:
         """Codes of the new post-RoPE `keys [b, h, n, d]` (positions start..start+n-1), and the codes of the keys
@@ -90,7 +86,8 @@ class PreRopeKeys:
                 self.fit(pre)
             else:
                 old = self.dequantize_pre(held)
-                valid = torch.ones(old.shape[:-1], dtype=torch.bool, device=old.device) if held_valid is None else held_valid
+                valid = held_valid if held_valid is not None else torch.ones(
+                    old.shape[:-1], dtype=torch.bool, device=old.device)
                 new = torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)
                 self.fit(torch.cat([old, pre], 2), torch.cat([valid, new], 2))
                 held = self.quantize_pre(old)
