@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
@@ -22,6 +22,9 @@ class PerplexityResult:
     fp16_bytes: int
     ratio: float
     seconds: float
+    # summed nll of the tokens scored in each chunk (the first chunk scores chunk_size - 1): what a paired comparison
+    # of two caches on the same tokens resamples (`hf_kvcache.eval.paired`)
+    chunk_nll: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -52,7 +55,7 @@ def streaming_perplexity(
     if n < 2:
         raise ValueError("need at least 2 tokens to score")
     input_ids = input_ids.to(model.device)
-    nll, scored, last_logits = 0.0, 0, None
+    chunk_nll, scored, last_logits = [], 0, None
     starts = range(0, n, chunk_size)
     if progress:
         from tqdm.auto import tqdm
@@ -64,14 +67,15 @@ def streaming_perplexity(
         logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float()
         preds = logits[:-1] if last_logits is None else torch.cat([last_logits, logits[:-1]])
         targets = chunk[0, 1:] if last_logits is None else chunk[0]
-        nll += torch.nn.functional.cross_entropy(preds, targets, reduction="sum").item()
+        chunk_nll.append(torch.nn.functional.cross_entropy(preds, targets, reduction="sum").item())
         scored += targets.numel()
         last_logits = logits[-1:]
         if on_chunk is not None:
             on_chunk(start)
     seconds = time.perf_counter() - t0
     stats = memory_stats(cache)
-    return PerplexityResult(math.exp(nll / scored), n, stats["bytes"], stats["fp16_bytes"], stats["ratio"], seconds)
+    return PerplexityResult(math.exp(sum(chunk_nll) / scored), n, stats["bytes"], stats["fp16_bytes"], stats["ratio"],
+                            seconds, chunk_nll)
 
 
 @torch.inference_mode()

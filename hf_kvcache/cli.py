@@ -1,4 +1,5 @@
-"""`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto.
+"""`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto,
+paired.
 
 `compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey`);
 `bench` and `passkey` are two of its suites under their older names and options."""
@@ -77,6 +78,12 @@ def _cmd_kernel_report(args: argparse.Namespace) -> int:
 
 def _cmd_pareto(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.pareto import main_args
+
+    return main_args(args)
+
+
+def _cmd_paired(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.paired import main_args
 
     return main_args(args)
 
@@ -226,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pareto", help="ratio / perplexity Pareto table and PNG from bench --json rows")
     _pareto_arguments(p)
     p.set_defaults(func=_cmd_pareto)
+
+    from hf_kvcache.eval.paired import add_arguments as _paired_arguments
+
+    p = sub.add_parser("paired", help="ppl ratio of two caches on the same tokens, with a paired bootstrap interval "
+                       "(rows with chunk_nll)")
+    _paired_arguments(p)
+    p.set_defaults(func=_cmd_paired)
     return parser
 
 

@@ -1,5 +1,7 @@
 """SmolLM2-135M on real text: the cache contract as generate() uses it."""
 
+import math
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -23,6 +25,8 @@ def test_streaming_dynamic_equals_one_forward(smol, moby_text, chunk):
     res = streaming_perplexity(model, ids, DynamicCache(config=model.config), chunk)
     assert abs(res.perplexity / ref - 1) < 1e-3
     assert res.tokens == 96 and res.bytes > 0
+    # per-chunk nll (what `hf-kvcache paired` resamples) adds up to the perplexity; 95 tokens scored
+    assert len(res.chunk_nll) == -(-96 // chunk) and math.exp(sum(res.chunk_nll) / 95) == res.perplexity
 
 
 def test_int8_perplexity_close_to_dynamic(smol, moby_text):

@@ -21,6 +21,7 @@ from transformers.cache_utils import BaseQuantizedLayer, Cache, DummyLayer, Dyna
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
+from ..rope import KeyRotation
 from ..kernels.segments import FullSegment, dense_segments
 
 FP16_BYTES = 2
@@ -397,6 +398,18 @@ class CompressedCache(Cache):
 
     def _compressed_layers(self) -> list[CompressedLayer]:
         return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]
+
+    def _layer_ropes(self, config: Any, what: str, instead: str, why: str,
+                     kinds: tuple[type, ...]) -> list[tuple[Any, KeyRotation]]:
+        """Each layer of `kinds` with its RoPE (`rope.KeyRotation`, by layer type) from `config`; the errors say
+        that `what` needs it (`why`) and to set `instead` otherwise."""
+        if config is None:
+            raise ValueError(f"{what} {why}, which needs the config: {type(self).__name__}(config=model.config, ...); "
+                             f"or set {instead}")
+        text = config.get_text_config(decoder=True)
+        types = getattr(text, "layer_types", None) or [None] * len(self.layers)
+        return [(layer, KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead))
+                for layer, layer_type in zip(self.layers, types) if isinstance(layer, kinds)]
 
     def memory_stats(self) -> dict[str, float]:
         return memory_stats(self)

@@ -898,7 +898,8 @@ class H2OCache(CompressedCache):
         """Give every evicting layer the model's RoPE (`KeyRotation`), for a policy that moves queries `future`
         positions ahead with it."""
         what = f"policy={self.options.policy!r} with future={future}"
-        for layer, rope in self._layer_ropes(config, what, "future=0", "moves the recent queries by the model's RoPE"):
+        for layer, rope in self._layer_ropes(config, what, "future=0", "moves the recent queries by the model's RoPE",
+                                             kinds=(H2OLayer,)):
             layer.rope = rope
 
     def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
@@ -906,18 +907,6 @@ class H2OCache(CompressedCache):
         if layer_type == "sliding_attention" and self.options.quant_bits is not None:
             return QuantizedWindowLayer(self.options, kwargs["sliding_window"])
         return super()._make_layer(layer_type, kwargs, layer_idx)
-
-    def _layer_ropes(self, config: Any, what: str, instead: str, why: str,
-                     kinds: tuple[type, ...] = (H2OLayer,)) -> list[tuple[Any, KeyRotation]]:
-        """Each layer of `kinds` (evicting layers by default) with its RoPE (by layer type) from `config`; the errors
-        say that `what` needs it (`why`) and to set `instead` otherwise."""
-        if config is None:
-            raise ValueError(f"{what} {why}, which needs the config: H2OCache(config=model.config, ...); "
-                             f"or set {instead}")
-        text = config.get_text_config(decoder=True)
-        types = getattr(text, "layer_types", None) or [None] * len(self.layers)
-        return [(layer, KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead))
-                for layer, layer_type in zip(self.layers, types) if isinstance(layer, kinds)]
 
     def evict_to(self, tokens: int, protect_last: int = 0) -> None:
         """Evict now, between two forwards, every layer down to `tokens` slots per (row, KV head) (`pyramid`: that

@@ -2,22 +2,37 @@
 
 Scales are per token and KV head, over groups of `group_size` channels, so new tokens are appended without touching
 the ones already stored. Defaults come from measurements on SmolLM2-135M / Moby Dick (see README, "Uniform caches").
+
+Sliding-window layers (Gemma-3's local layers) are quantized too: they keep the newest `sliding_window - 1` tokens,
+as transformers' sliding layer does (same mask sizes).
+
+`key_quant="prerope"` (the default for the integer formats when the cache has the model config and can undo its
+RoPE) stores keys with RoPE undone, each channel shifted by its mean and divided by the square root of its RMS
+(`quant.prerope`; fitted once per layer after 32 positions), before the per-token groups: the fix for models whose
+keys carry large per-channel offsets (Qwen2.5's k bias: int4 +44 % -> +2.6 % perplexity). Dividing by the full RMS
+equalizes the channels' ranges; by its square root, half-way, lost less on each zoo model (README, "Uniform caches
+on the model zoo"). `"token"` quantizes keys as they come (fp8 keeps it by default: its steps are relative already).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from ..options import CacheOptions, check_choice, check_positive_int
+from ..quant.prerope import PreRopeKeys
 from ..quant.uniform import FP8_DTYPES, QuantizedTensor, dequantize, quantize
 from .base import CompressedCache, CompressedLayer
+from .window import check_window_crop
 
 DTYPES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
 ALIASES = {"fp8": "fp8_e4m3"}
 # dtype -> (bits, default group size (None: the whole head), default symmetric)
 DEFAULTS = {"int8": (8, None, True), "int4": (4, 32, True), "fp8_e4m3": (8, None, True), "fp8_e5m2": (8, None, True)}
+KEY_QUANT = ("token", "prerope")
+KEY_SCALE_POWER = 0.5  # key_quant="prerope": channels divided by the square root of their RMS (README, "Uniform caches")
 
 
 @dataclass
@@ -25,8 +40,13 @@ class UniformQuantOptions(CacheOptions):
     dtype: str = "int8"
     group_size: int | None = None
     symmetric: bool | None = None
+    # "prerope": keys quantized with RoPE undone, channels normalized (module docstring); "token": as they come;
+    # None: "prerope" for the integer formats when the cache has the model config and its RoPE is supported
+    key_quant: str | None = None
 
     def validate(self) -> None:
+        if self.key_quant is not None:
+            check_choice("key_quant", self.key_quant, KEY_QUANT)
         self.dtype = ALIASES.get(self.dtype, self.dtype)
         check_choice("dtype", self.dtype, DTYPES + tuple(ALIASES))
         check_positive_int("group_size", self.group_size, allow_none=True)
@@ -52,41 +72,121 @@ class UniformQuantOptions(CacheOptions):
     def resolved_symmetric(self) -> bool:
         return DEFAULTS[self.dtype][2] if self.symmetric is None else self.symmetric
 
+    def quantize(self, x: torch.Tensor) -> QuantizedTensor:
+        """`x [..., d]` in this format, scales per token over groups of channels."""
+        return quantize(x, self.fmt, self.bits, self.resolved_group(x.shape[-1]), self.resolved_symmetric())
+
+
+@dataclass
+class UniformPreRopeKeys(PreRopeKeys):
+    """`PreRopeKeys` whose codes are the uniform cache's own format (`options`) instead of KIVI groups."""
+
+    options: UniformQuantOptions | None = None
+
+    def codes(self, x: torch.Tensor) -> QuantizedTensor:
+        return self.options.quantize(x)
+
+    def decode_codes(self, q: QuantizedTensor) -> torch.Tensor:
+        return dequantize(q, torch.float32)
+
 
 class UniformQuantLayer(CompressedLayer):
-    """Keys and values quantized per token: `{k,v}_codes`, `{k,v}_scale` (and `{k,v}_zero` when asymmetric)."""
+    """Keys and values quantized per token: `{k,v}_codes`, `{k,v}_scale` (and `{k,v}_zero` when asymmetric), all
+    `[batch, kv_heads, tokens, ...]`. With `sliding_window`, only the newest `sliding_window - 1` tokens are kept."""
 
     options: UniformQuantOptions
+    supports_sliding = True
 
-    def _quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        o = self.options
-        return quantize(x, o.fmt, o.bits, o.resolved_group(x.shape[-1]), o.resolved_symmetric())
+    def __init__(self, options: UniformQuantOptions, sliding_window: int | None = None) -> None:
+        super().__init__(options)
+        if sliding_window is not None:
+            check_positive_int("sliding_window", sliding_window)
+            self.sliding_window = sliding_window
+            self.is_sliding = True
+        self.key_codec: UniformPreRopeKeys | None = None  # key_quant="prerope"; set by UniformQuantCache
+
+    def _held(self, prefix: str, n: int) -> QuantizedTensor:
+        o, s = self.options, self.store
+        return QuantizedTensor(s[f"{prefix}_codes"], s[f"{prefix}_scale"], s.get(f"{prefix}_zero"), o.fmt, o.bits,
+                               o.resolved_group(n), n)
+
+    def _put(self, prefix: str, q: QuantizedTensor, replace: bool = False) -> None:
+        """Store `q` (append along the tokens, or `replace` what is held)."""
+        for field, t in (("codes", q.codes), ("scale", q.scale), ("zero", q.zero)):
+            if t is None:
+                continue
+            name = f"{prefix}_{field}"
+            self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store and not replace else t
+
+    def _real(self, start: int, n: int, batch: int) -> torch.Tensor | None:
+        """`[batch, 1, n]` bool: which of positions start..start+n-1 hold real tokens (None: no row is padded)."""
+        pad = self.row_padding(batch)
+        if pad is None:
+            return None
+        positions = torch.arange(start, start + n, device=pad.device)
+        return (positions[None] >= pad[:, None]).unsqueeze(1)
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        for prefix, x in (("k", key_states), ("v", value_states)):
-            q = self._quantize(x)
-            new = {"codes": q.codes, "scale": q.scale, "zero": q.zero}
-            for field, t in new.items():
-                if t is None:
-                    continue
-                name = f"{prefix}_{field}"
-                self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store else t
-
-    def _decode(self, prefix: str, n: int) -> torch.Tensor:
-        o = self.options
-        s = self.store
-        q = QuantizedTensor(
-            s[f"{prefix}_codes"], s[f"{prefix}_scale"], s.get(f"{prefix}_zero"), o.fmt, o.bits,
-            o.resolved_group(n), n,
-        )
-        return dequantize(q, self.dtype)
+        n = key_states.shape[2]
+        if self.key_codec is None:
+            self._put("k", self.options.quantize(key_states))
+        else:
+            b, h = key_states.shape[:2]
+            held_n, start = self.tokens_held(), self.cumulative_length - n
+            held = self._held("k", self.head_dim) if held_n else None
+            valid = self._real(start - held_n, held_n + n, b)
+            valid = None if valid is None else valid.expand(b, h, held_n + n)
+            old, new = self.key_codec.encode(key_states, start, held, None if valid is None else valid[..., :held_n],
+                                             None if valid is None else valid[..., held_n:])
+            if old is not held:
+                self._put("k", old, replace=True)
+            self._put("k", new)
+        self._put("v", self.options.quantize(value_states))
+        drop = self.tokens_held() - (self.sliding_window - 1) if self.sliding_window is not None else 0
+        if drop > 0:  # positions no later query can see; copies, so that no view keeps the dropped rows alive
+            self._map_store(lambda t: t[:, :, drop:].clone())
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._decode("k", self.head_dim), self._decode("v", self.value_dim)
+        keys = self._held("k", self.head_dim)
+        if self.key_codec is None:
+            keys = dequantize(keys, self.dtype)
+        else:
+            held = self.tokens_held()
+            positions = torch.arange(self.cumulative_length - held, self.cumulative_length, device=self.device)
+            keys = self.key_codec.dequantize(keys, positions, self.dtype)
+        return keys, dequantize(self._held("v", self.value_dim), self.dtype)
+
+    def held_tensors(self) -> list[torch.Tensor]:
+        return super().held_tensors() + ([] if self.key_codec is None else self.key_codec.tensors())
+
+    def _crop_newest(self, n: int) -> None:
+        check_window_crop(self, n)
+        super()._crop_newest(n)
+
+    def reset(self) -> None:
+        super().reset()
+        if self.key_codec is not None:
+            self.key_codec.shift = self.key_codec.scale = None
 
 
 class UniformQuantCache(CompressedCache):
-    """INT8 / INT4 / FP8 KV cache. `UniformQuantCache(config=model.config, dtype="int4")`."""
+    """INT8 / INT4 / FP8 KV cache. `UniformQuantCache(config=model.config, dtype="int4")`; sliding-window layers
+    hold their window quantized; `key_quant` see the module docstring (`self.key_quant`: the mode in use)."""
 
     options_class = UniformQuantOptions
     layer_class = UniformQuantLayer
+
+    def __init__(self, config: Any = None, **options: Any) -> None:
+        super().__init__(config, **options)
+        o = self.options
+        self.key_quant = o.key_quant or ("prerope" if o.fmt == "int" and config is not None else "token")
+        if self.key_quant == "prerope":
+            try:
+                ropes = self._layer_ropes(config, "key_quant='prerope'", "key_quant='token'",
+                                          "undoes RoPE on the keys", kinds=(UniformQuantLayer,))
+            except ValueError:
+                if o.key_quant == "prerope":
+                    raise
+                ropes, self.key_quant = [], "token"  # the default on a RoPE it cannot undo: keys as they come
+            for layer, rope in ropes:
+                layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, options=o)

@@ -25,6 +25,15 @@ if TYPE_CHECKING:
     from .h2o import H2OOptions
 
 
+def check_window_crop(layer: CompressedLayer, n: int) -> None:
+    """Raise when `layer` (a sliding-window layer) has dropped tokens: cropping `n` cannot restore them."""
+    if layer.cumulative_length > layer.tokens_held():
+        raise ValueError(
+            f"cannot crop {n} token(s): this sliding-window layer has dropped the tokens before its window, so "
+            "it cannot become the layer that never saw the cropped ones; crop before the window fills"
+        )
+
+
 class QuantizedWindowLayer(CompressedLayer):
     """The newest `sliding_window - 1` tokens of a sliding-window layer, quantized (see the module docstring)."""
 
@@ -90,11 +99,7 @@ class QuantizedWindowLayer(CompressedLayer):
             self.key_codes, self.value_codes = self.key_codes.map_rows(fn), self.value_codes.map_rows(fn)
 
     def _crop_newest(self, n: int) -> None:
-        if self.cumulative_length > self.tokens_held():
-            raise ValueError(
-                f"cannot crop {n} token(s): this sliding-window layer has dropped the tokens before its window, so "
-                "it cannot become the layer that never saw the cropped ones; crop before the window fills"
-            )
+        check_window_crop(self, n)
         keep = self.tokens_held() - n
         self.key_codes, self.value_codes = self.key_codes.slice(0, keep), self.value_codes.slice(0, keep)
 

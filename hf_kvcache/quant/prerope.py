@@ -31,13 +31,15 @@ FIT_TOKENS = 32  # keys a layer has seen when it fits the per-channel shift and 
 class PreRopeKeys:
     """Quantizer of one layer's keys (see the module docstring): `rope` the model's RoPE for the layer, `bits` /
     `group_size` the KIVI per-token groups; `shift` / `scale` (float32 `[1, kv_heads, 1, head_dim]`) are None until
-    `fit` (until then keys are quantized pre-RoPE with no shift and a unit scale)."""
+    `fit` (until then keys are quantized pre-RoPE with no shift and a unit scale); `scale` is the channel's RMS about
+    its mean to the power `scale_power`."""
 
     rope: KeyRotation
     bits: int
     group_size: int | None = None
     shift: torch.Tensor | None = None
     scale: torch.Tensor | None = None
+    scale_power: float = 1.0  # each channel is divided by its RMS to this power (1: unit RMS; 0: shifted only)
 
     @property
     def fitted(self) -> bool:
@@ -58,37 +60,49 @@ class PreRopeKeys:
         count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)
         shift = (pre * w).sum(dim=(0, 2), keepdim=True) / count
         var = ((pre - shift).square() * w).sum(dim=(0, 2), keepdim=True) / count
-        self.shift, self.scale = shift, var.sqrt().clamp_min(MIN_SCALE)
+        scale = var.sqrt().clamp_min(MIN_SCALE)
+        self.shift, self.scale = shift, scale if self.scale_power == 1.0 else scale.pow(self.scale_power)
+
+    def codes(self, x: torch.Tensor) -> KIVIQuantized:
+        """The per-token codes of normalized keys `x [b, h, n, d]` (KIVI groups of `group_size`); a subclass may
+        store another format (`caches.uniform`)."""
+        return quantize_kivi(x, self.bits, self.group_size or x.shape[-1], axis="token")
+
+    def decode_codes(self, q: KIVIQuantized) -> torch.Tensor:
+        """Inverse of `codes`: `[b, h, n, d]` float32."""
+        return dequantize_kivi(q, torch.float32)
 
     def quantize_pre(self, pre: torch.Tensor) -> KIVIQuantized:
         """Codes of pre-RoPE keys `pre [b, h, n, d]` (float32)."""
         if self.fitted:
             pre = (pre - self.shift) / self.scale
-        return quantize_kivi(pre, self.bits, self.group_size or pre.shape[-1], axis="token")
+        return self.codes(pre)
 
     def dequantize_pre(self, q: KIVIQuantized) -> torch.Tensor:
         """The pre-RoPE keys `[b, h, n, d]` (float32) that `q` holds."""
-        pre = dequantize_kivi(q, torch.float32)
+        pre = self.decode_codes(q)
         return pre * self.scale + self.shift if self.fitted else pre
 
     def encode(self, keys: torch.Tensor, start: int, held: KIVIQuantized | None = None,
-               held_valid: torch.Tensor | None = None) -> tuple[KIVIQuantized | None, KIVIQuantized]:
+               held_valid: torch.Tensor | None = None,
+               new_valid: torch.Tensor | None = None) -> tuple[KIVIQuantized | None, KIVIQuantized]:
         """Codes of the new post-RoPE `keys [b, h, n, d]` (positions start..start+n-1), and the codes of the keys
-        held already (`held`, their padding flags `held_valid [b, h, held]`). The stats are fitted, from the held
-        and the new keys, once the positions seen reach `FIT_TOKENS` (a layer that holds fewer, a small budget or a
-        short window, fits from what it holds); the few keys held before then (quantized pre-RoPE with no shift and
-        a unit scale) are quantized again with them, so their new codes come back; otherwise `held` comes back as it
-        is."""
+        held already (`held`; padding flags `held_valid [b, h, held]` and `new_valid [b, h, n]`, True = a real
+        token, all True when None). The stats are fitted, from the held and the new real keys, once the positions
+        seen reach `FIT_TOKENS` (a layer that holds fewer, a small budget or a short window, fits from what it
+        holds); the few keys held before then (quantized pre-RoPE with no shift and a unit scale) are quantized
+        again with them, so their new codes come back; otherwise `held` comes back as it is."""
         n = keys.shape[2]
         pre = self.derotate(keys, torch.arange(start, start + n, device=keys.device))
         if not self.fitted and start + n >= FIT_TOKENS:
             if held is None:
-                self.fit(pre)
+                self.fit(pre, new_valid)
             else:
                 old = self.dequantize_pre(held)
                 valid = held_valid if held_valid is not None else torch.ones(
                     old.shape[:-1], dtype=torch.bool, device=old.device)
-                new = torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)
+                new = new_valid if new_valid is not None else torch.ones(
+                    pre.shape[:-1], dtype=torch.bool, device=pre.device)
                 self.fit(torch.cat([old, pre], 2), torch.cat([valid, new], 2))
                 held = self.quantize_pre(old)
         return held, self.quantize_pre(pre)

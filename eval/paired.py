@@ -1,0 +1,118 @@
+"""Paired comparison of two caches streamed over the same tokens: their perplexity ratio with a bootstrap interval.
+
+    hf-kvcache paired 'docs/rows/evict_oe_target_qwen2.5-coder-0.5b.json#cache=snapkv-50%-merge-mass-oe' \\
+        'docs/rows/kvpress_qwen2.5-coder-0.5b.json#press=expected_attention,budget=ratio:0.5'
+
+Each side is a rows file and a selector (`#key=value[,key=value]`, every pair must match; the selector may be left out
+when the file holds one row) naming a row that carries `chunk_nll`, the summed nll of each chunk's scored tokens
+(`hf-kvcache bench` rows, `eval/kvpress_stream.py` rows). Both rows must come from the same token ids: their chunk
+counts must agree and, when both rows name their model / start / tokens, so must those.
+
+The ratio is `ppl(A) / ppl(B) = exp((NLL_A - NLL_B) / scored)`. Its interval resamples the chunks with replacement,
+the same chunks for both sides (paired), in blocks of `block` consecutive chunks (a cache's state carries from one
+chunk to the next, so neighbouring chunks are not independent), and takes the 2.5 / 97.5 % percentiles. It says how
+far the gap between two caches on one stream is from what the stream's own chunk-to-chunk variation could give: an
+interval that holds 1 means the stream cannot rank them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+
+FIRST_CHUNK_LOST = 1  # the first chunk scores chunk - 1 tokens (its first token has no prediction)
+
+
+@dataclass
+class PairedResult:
+    """`ratio` = ppl(A) / ppl(B) on the same tokens, `low` / `high` its bootstrap interval, `a_better` the share of
+    chunks where A's nll is lower."""
+
+    ratio: float
+    low: float
+    high: float
+    a_better: float
+    chunks: int
+
+    def line(self, a: str, b: str) -> str:
+        return (f"ppl({a}) / ppl({b}) = {self.ratio:.4f}  (95 % interval {self.low:.4f} .. {self.high:.4f}; "
+                f"A lower on {100 * self.a_better:.0f} % of {self.chunks} chunks)")
+
+
+def chunk_tokens(tokens: int, chunk: int) -> torch.Tensor:
+    """Tokens scored in each chunk of a `tokens`-long stream fed in chunks of `chunk` (the first chunk scores one
+    fewer, the last may be short)."""
+    counts = torch.full((-(-tokens // chunk),), float(chunk))
+    counts[-1] = tokens - chunk * (counts.numel() - 1)
+    counts[0] -= FIRST_CHUNK_LOST
+    return counts
+
+
+def paired_ratio(a_nll: list[float], b_nll: list[float], tokens: torch.Tensor, block: int = 4,
+                 samples: int = 10000, seed: int = 0) -> PairedResult:
+    """See the module docstring. `a_nll` / `b_nll`: per-chunk summed nll `[chunks]`; `tokens [chunks]` scored."""
+    a, b = torch.tensor(a_nll, dtype=torch.float64), torch.tensor(b_nll, dtype=torch.float64)
+    if a.shape != b.shape or a.numel() != tokens.numel():
+        raise ValueError(f"the two rows hold {a.numel()} and {b.numel()} chunks ({tokens.numel()} expected): "
+                         "compare rows streamed over the same tokens with the same chunk size")
+    if not 1 <= block <= a.numel():
+        raise ValueError(f"block must be between 1 and the number of chunks ({a.numel()}), got {block}")
+    diff, tokens = a - b, tokens.double()
+    ratio = math.exp(float(diff.sum() / tokens.sum()))
+    # moving-block bootstrap: ceil(n / block) blocks of consecutive chunks, each starting anywhere it fits
+    n = diff.numel()
+    g = torch.Generator().manual_seed(seed)
+    per_sample = -(-n // block)
+    starts = torch.randint(0, n - block + 1, (samples, per_sample), generator=g)
+    idx = (starts[..., None] + torch.arange(block)).reshape(samples, -1)[:, :n]
+    stats = torch.exp(diff[idx].sum(1) / tokens[idx].sum(1))
+    low, high = torch.quantile(stats, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return PairedResult(ratio, low, high, float((diff < 0).double().mean()), n)
+
+
+def select_row(spec: str) -> dict:
+    """The row `FILE#key=value,...` names (see the module docstring)."""
+    path, _, selector = spec.partition("#")
+    with open(path) as f:
+        rows = json.load(f)
+    rows = rows if isinstance(rows, list) else [rows]
+    pairs = [pair for pair in selector.split(",") if pair]
+    if any("=" not in pair for pair in pairs):
+        raise ValueError(f"selector {selector!r}: use key=value pairs separated by commas, e.g. cache=tova-50%")
+    wanted = dict(pair.split("=", 1) for pair in pairs)
+    found = [r for r in rows if all(str(r.get(k)) == v for k, v in wanted.items())]
+    if len(found) != 1:
+        labels = [r.get("cache") or f"{r.get('press')} {r.get('budget')}" for r in rows]
+        raise ValueError(f"{spec}: {len(found)} rows match (need exactly 1); rows there: {labels}")
+    if not found[0].get("chunk_nll"):
+        raise ValueError(f"{spec}: the row has no chunk_nll; rerun it (bench and kvpress_stream rows record it)")
+    return found[0]
+
+
+def compare_rows(a: dict, b: dict, chunk: int = 32, block: int = 4, samples: int = 10000) -> PairedResult:
+    """`paired_ratio` of two rows (`select_row`) streamed over the same `tokens` ids in chunks of `chunk`."""
+    for key in ("model", "text", "start", "tokens"):
+        if key in a and key in b and a[key] != b[key]:
+            raise ValueError(f"the rows disagree on {key} ({a[key]!r} vs {b[key]!r}): compare the same token ids")
+    tokens = a.get("tokens") or b.get("tokens") or chunk * len(a["chunk_nll"])
+    return paired_ratio(a["chunk_nll"], b["chunk_nll"], chunk_tokens(tokens, chunk), block, samples)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a", help="FILE#key=value,... of cache A")
+    p.add_argument("b", nargs="+", help="FILE#key=value,... of each cache B compared with A")
+    p.add_argument("--chunk", type=int, default=32, help="the chunk size both rows were streamed with")
+    p.add_argument("--block", type=int, default=4, help="consecutive chunks resampled together")
+    p.add_argument("--samples", type=int, default=10000)
+
+
+def main_args(args: argparse.Namespace) -> int:
+    a = select_row(args.a)
+    for spec in args.b:
+        result = compare_rows(a, select_row(spec), args.chunk, args.block, args.samples)
+        print(result.line("A", "B"), f"   A={args.a}  B={spec}")
+    return 0
