@@ -159,6 +159,24 @@ class UniformQuantLayer(CompressedLayer):
     def held_tensors(self) -> list[torch.Tensor]:
         return super().held_tensors() + ([] if self.key_codec is None else self.key_codec.tensors())
 
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored codes and scales, plus `key_shift` / `key_scale` once pre-RoPE keys are fitted."""
+        out = dict(self.store)
+        if self.key_codec is not None and self.key_codec.fitted:
+            out.update(key_shift=self.key_codec.shift, key_scale=self.key_codec.scale)
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `state_tensors` (the lossless codec)."""
+        tensors = dict(tensors)
+        shift, scale = tensors.pop("key_shift", None), tensors.pop("key_scale", None)
+        if shift is not None and self.key_codec is None:
+            raise ValueError("these codes hold pre-RoPE keys, but this cache stores keys as they come: rebuild it "
+                             "with key_quant='prerope' and the model config")
+        self.store = tensors
+        if shift is not None:
+            self.key_codec.shift, self.key_codec.scale = shift, scale
+
     def _crop_newest(self, n: int) -> None:
         check_window_crop(self, n)
         super()._crop_newest(n)
@@ -190,3 +208,4 @@ class UniformQuantCache(CompressedCache):
                 ropes, self.key_quant = [], "token"  # the default on a RoPE it cannot undo: keys as they come
             for layer, rope in ropes:
                 layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, options=o)
+        o.key_quant = self.key_quant  # the options say what is in use (the lossless codec rebuilds from them)

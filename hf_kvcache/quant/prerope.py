@@ -80,8 +80,8 @@ class PreRopeKeys:
 
     def dequantize_pre(self, q: KIVIQuantized) -> torch.Tensor:
         """The pre-RoPE keys `[b, h, n, d]` (float32) that `q` holds."""
-        pre = self.decode_codes(q)
-        return pre * self.scale + self.shift if self.fitted else pre
+        pre = self.decode_codes(q)  # a new tensor: scaled and shifted in place
+        return pre.mul_(self.scale).add_(self.shift) if self.fitted else pre
 
     def encode(self, keys: torch.Tensor, start: int, held: KIVIQuantized | None = None,
                held_valid: torch.Tensor | None = None,
