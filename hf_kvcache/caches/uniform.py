@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..options import CacheOptions, check_choice, check_positive_int
-from ..quant.prerope import PreRopeKeys
+from ..quant.prerope import FIT_TOKENS, PreRopeKeys
 from ..quant.uniform import FP8_DTYPES, QuantizedTensor, dequantize, quantize
 from .base import CompressedCache, CompressedLayer
 from .window import check_window_crop
@@ -131,22 +131,33 @@ class UniformQuantLayer(CompressedLayer):
         if self.key_codec is None:
             self._put("k", self.options.quantize(key_states))
         else:
-            b, h = key_states.shape[:2]
-            held_n, start = self.tokens_held(), self.cumulative_length - n
-            held = self._held("k", self.head_dim) if held_n else None
-            valid = self._real(start - held_n, held_n + n, b)
-            valid = None if valid is None else valid.expand(b, h, held_n + n)
-            old, new = self.key_codec.encode(key_states, start, held, None if valid is None else valid[..., :held_n],
-                                             None if valid is None else valid[..., held_n:])
-            if old is not held:
-                self._put("k", old, replace=True)
-            self._put("k", new)
+            self._append_prerope(key_states)
         self._put("v", self.options.quantize(value_states))
         drop = self.tokens_held() - (self.sliding_window - 1) if self.sliding_window is not None else 0
         if drop > 0:  # positions no later query can see; copies, so that no view keeps the dropped rows alive
             self._map_store(lambda t: t[:, :, drop:].clone())
 
+    def _append_prerope(self, keys: torch.Tensor) -> None:
+        """`key_quant="prerope"`: keys are held as they come (`k_pending`, model dtype) until the layer has seen
+        `FIT_TOKENS` positions; then the codec fits its statistics on them (padding left out) and they, and every
+        later key, are stored as codes of the pre-RoPE frame (each key quantized once)."""
+        codec, n, seen = self.key_codec, keys.shape[2], self.cumulative_length
+        if not codec.fitted:
+            pending = self.store.pop("k_pending", None)
+            keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
+            if seen < FIT_TOKENS:
+                self.store["k_pending"] = keys
+                return
+            n = keys.shape[2]
+        pre = codec.derotate(keys, torch.arange(seen - n, seen, device=keys.device))
+        if not codec.fitted:
+            real = self._real(seen - n, n, keys.shape[0])
+            codec.fit(pre, None if real is None else real.expand(pre.shape[:-1]))
+        self._put("k", codec.quantize_pre(pre))
+
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if "k_pending" in self.store:  # before the key statistics are fitted
+            return self.store["k_pending"], dequantize(self._held("v", self.value_dim), self.dtype)
         keys = self._held("k", self.head_dim)
         if self.key_codec is None:
             keys = dequantize(keys, self.dtype)

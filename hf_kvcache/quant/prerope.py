@@ -84,25 +84,23 @@ class PreRopeKeys:
         return pre.mul_(self.scale).add_(self.shift) if self.fitted else pre
 
     def encode(self, keys: torch.Tensor, start: int, held: KIVIQuantized | None = None,
-               held_valid: torch.Tensor | None = None,
-               new_valid: torch.Tensor | None = None) -> tuple[KIVIQuantized | None, KIVIQuantized]:
+               held_valid: torch.Tensor | None = None) -> tuple[KIVIQuantized | None, KIVIQuantized]:
         """Codes of the new post-RoPE `keys [b, h, n, d]` (positions start..start+n-1), and the codes of the keys
-        held already (`held`; padding flags `held_valid [b, h, held]` and `new_valid [b, h, n]`, True = a real
-        token, all True when None). The stats are fitted, from the held and the new real keys, once the positions
-        seen reach `FIT_TOKENS` (a layer that holds fewer, a small budget or a short window, fits from what it
-        holds); the few keys held before then (quantized pre-RoPE with no shift and a unit scale) are quantized
-        again with them, so their new codes come back; otherwise `held` comes back as it is."""
+        held already (`held`, their padding flags `held_valid [b, h, held]`). The stats are fitted, from the held
+        and the new keys, once the positions seen reach `FIT_TOKENS` (a layer that holds fewer, a small budget or a
+        short window, fits from what it holds); the few keys held before then (quantized pre-RoPE with no shift and
+        a unit scale) are quantized again with them, so their new codes come back; otherwise `held` comes back as it
+        is."""
         n = keys.shape[2]
         pre = self.derotate(keys, torch.arange(start, start + n, device=keys.device))
         if not self.fitted and start + n >= FIT_TOKENS:
             if held is None:
-                self.fit(pre, new_valid)
+                self.fit(pre)
             else:
                 old = self.dequantize_pre(held)
                 valid = held_valid if held_valid is not None else torch.ones(
                     old.shape[:-1], dtype=torch.bool, device=old.device)
-                new = new_valid if new_valid is not None else torch.ones(
-                    pre.shape[:-1], dtype=torch.bool, device=pre.device)
+                new = torch.ones(pre.shape[:-1], dtype=torch.bool, device=pre.device)
                 self.fit(torch.cat([old, pre], 2), torch.cat([valid, new], 2))
                 held = self.quantize_pre(old)
         return held, self.quantize_pre(pre)
