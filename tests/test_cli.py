@@ -85,7 +85,9 @@ def test_demo_generates_and_tabulates_each_cache(capsys):
     rows = {line.split()[0]: line.split() for line in table[2:5]}
     assert list(rows) == ["dynamic", "int8", "h2o"]
     assert rows["dynamic"][2] == "+0.00%"
-    assert float(rows["int8"][4].rstrip("x")) > 1.9  # int8 of a fp32 model: ~1.94x the fp16 bytes
+    # int8 of a fp32 model: 1.94x the fp16 bytes in codes and scales; at 48 tokens the 46 KB of key statistics
+    # (pre-RoPE keys) bring it to 1.79x
+    assert float(rows["int8"][4].rstrip("x")) > 1.75
     assert "took" in out and "generation" in out
 
 

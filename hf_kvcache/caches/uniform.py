@@ -104,6 +104,7 @@ class UniformQuantLayer(CompressedLayer):
             self.sliding_window = sliding_window
             self.is_sliding = True
         self.key_codec: UniformPreRopeKeys | None = None  # key_quant="prerope"; set by UniformQuantCache
+        self.rows_fitted: torch.Tensor | None = None  # [batch] bool while some rows' key statistics are not fitted
 
     def _held(self, prefix: str, n: int) -> QuantizedTensor:
         o, s = self.options, self.store
@@ -118,13 +119,16 @@ class UniformQuantLayer(CompressedLayer):
             name = f"{prefix}_{field}"
             self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store and not replace else t
 
-    def _real(self, start: int, n: int, batch: int) -> torch.Tensor | None:
-        """`[batch, 1, n]` bool: which of positions start..start+n-1 hold real tokens (None: no row is padded)."""
+    def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The true positions of cache indices start..start+n-1 (`[batch, 1, n]`: the index minus the row's left
+        padding, so a padded row's keys are undone at the positions the model rotated them at, as alone) and which
+        hold real tokens (`[batch, 1, n]` bool; None when no row is padded)."""
+        index = torch.arange(start, start + n, device=self.device)
         pad = self.row_padding(batch)
         if pad is None:
-            return None
-        positions = torch.arange(start, start + n, device=pad.device)
-        return (positions[None] >= pad[:, None]).unsqueeze(1)
+            return index, None
+        positions = (index[None] - pad.to(index.device)[:, None]).unsqueeze(1)
+        return positions, positions >= 0
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[2]
@@ -138,49 +142,80 @@ class UniformQuantLayer(CompressedLayer):
             self._map_store(lambda t: t[:, :, drop:].clone())
 
     def _append_prerope(self, keys: torch.Tensor) -> None:
-        """`key_quant="prerope"`: keys are held as they come (`k_pending`, model dtype) until the layer has seen
-        `FIT_TOKENS` positions; then the codec fits its statistics on them (padding left out) and they, and every
-        later key, are stored as codes of the pre-RoPE frame (each key quantized once)."""
-        codec, n, seen = self.key_codec, keys.shape[2], self.cumulative_length
-        if not codec.fitted:
-            pending = self.store.pop("k_pending", None)
-            keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
-            if seen < FIT_TOKENS:
-                self.store["k_pending"] = keys
-                return
-            n = keys.shape[2]
-        pre = codec.derotate(keys, torch.arange(seen - n, seen, device=keys.device))
-        if not codec.fitted:
-            real = self._real(seen - n, n, keys.shape[0])
+        """`key_quant="prerope"`: each row's key statistics are fitted from its own real keys once it has seen
+        `FIT_TOKENS` real tokens (left padding does not count). Until every row is fitted the keys of all rows are
+        held as they come (`k_pending`, model dtype; a fitted row reads them through its codes, exactly what it
+        would hold alone); then they, and every later key, are stored as codes of the pre-RoPE frame, each key
+        quantized once."""
+        codec, n, seen, b = self.key_codec, keys.shape[2], self.cumulative_length, keys.shape[0]
+        pending = self.store.pop("k_pending", None)
+        if pending is None and codec.fitted:  # every row fitted
+            positions, _ = self._positions(seen - n, n, b)
+            self._put("k", codec.quantize_pre(codec.derotate(keys, positions)))
+            return
+        keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
+        held = keys.shape[2]
+        pad = self.row_padding(b)
+        ready = seen - (torch.zeros(b, dtype=torch.long, device=keys.device) if pad is None else pad) >= FIT_TOKENS
+        fitted = self.rows_fitted if self.rows_fitted is not None else torch.zeros_like(ready)
+        if bool((ready & ~fitted).any()):
+            positions, real = self._positions(seen - held, held, b)
+            pre = codec.derotate(keys, positions)
+            old = (codec.shift, codec.scale)
             codec.fit(pre, None if real is None else real.expand(pre.shape[:-1]))
-        self._put("k", codec.quantize_pre(pre))
+            if old[0] is not None:  # rows fitted earlier keep their statistics
+                keep = fitted.view(-1, 1, 1, 1)
+                codec.shift, codec.scale = torch.where(keep, old[0], codec.shift), torch.where(keep, old[1], codec.scale)
+            self.rows_fitted = fitted = fitted | ready
+            if bool(fitted.all()):
+                self.rows_fitted = None
+                self._put("k", codec.quantize_pre(pre))
+                return
+        self.store["k_pending"] = keys
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if "k_pending" in self.store:  # before the key statistics are fitted
-            return self.store["k_pending"], dequantize(self._held("v", self.value_dim), self.dtype)
+        values = dequantize(self._held("v", self.value_dim), self.dtype)
+        held = self.tokens_held()
+        if "k_pending" in self.store:  # some row not fitted yet: fitted rows read their keys through their codes
+            keys = self.store["k_pending"]
+            if self.rows_fitted is None:
+                return keys, values
+            positions, _ = self._positions(self.cumulative_length - held, held, keys.shape[0])
+            codec = self.key_codec
+            coded = codec.dequantize(codec.quantize_pre(codec.derotate(keys, positions)), positions, self.dtype)
+            return torch.where(self.rows_fitted.view(-1, 1, 1, 1), coded, keys), values
         keys = self._held("k", self.head_dim)
         if self.key_codec is None:
-            keys = dequantize(keys, self.dtype)
-        else:
-            held = self.tokens_held()
-            positions = torch.arange(self.cumulative_length - held, self.cumulative_length, device=self.device)
-            keys = self.key_codec.dequantize(keys, positions, self.dtype)
-        return keys, dequantize(self._held("v", self.value_dim), self.dtype)
+            return dequantize(keys, self.dtype), values
+        positions, _ = self._positions(self.cumulative_length - held, held, keys.codes.shape[0])
+        return self.key_codec.dequantize(keys, positions, self.dtype), values
 
     def held_tensors(self) -> list[torch.Tensor]:
-        return super().held_tensors() + ([] if self.key_codec is None else self.key_codec.tensors())
+        extra = [] if self.rows_fitted is None else [self.rows_fitted]
+        return super().held_tensors() + ([] if self.key_codec is None else self.key_codec.tensors()) + extra
+
+    def _map_rows(self, fn) -> None:
+        super()._map_rows(fn)
+        codec = self.key_codec
+        if codec is not None and codec.fitted:  # statistics per row (`per_row`): they follow their rows
+            codec.shift, codec.scale = fn(codec.shift), fn(codec.scale)
+        if self.rows_fitted is not None:
+            self.rows_fitted = fn(self.rows_fitted)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """The stored codes and scales, plus `key_shift` / `key_scale` once pre-RoPE keys are fitted."""
         out = dict(self.store)
         if self.key_codec is not None and self.key_codec.fitted:
             out.update(key_shift=self.key_codec.shift, key_scale=self.key_codec.scale)
+        if self.rows_fitted is not None:
+            out["key_rows_fitted"] = self.rows_fitted
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Inverse of `state_tensors` (the lossless codec)."""
         tensors = dict(tensors)
         shift, scale = tensors.pop("key_shift", None), tensors.pop("key_scale", None)
+        self.rows_fitted = tensors.pop("key_rows_fitted", None)
         if shift is not None and self.key_codec is None:
             raise ValueError("these codes hold pre-RoPE keys, but this cache stores keys as they come: rebuild it "
                              "with key_quant='prerope' and the model config")
@@ -194,6 +229,7 @@ class UniformQuantLayer(CompressedLayer):
 
     def reset(self) -> None:
         super().reset()
+        self.rows_fitted = None
         if self.key_codec is not None:
             self.key_codec.shift = self.key_codec.scale = None
 
@@ -218,5 +254,5 @@ class UniformQuantCache(CompressedCache):
                     raise
                 ropes, self.key_quant = [], "token"  # the default on a RoPE it cannot undo: keys as they come
             for layer, rope in ropes:
-                layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, options=o)
+                layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, per_row=True, options=o)
         o.key_quant = self.key_quant  # the options say what is in use (the lossless codec rebuilds from them)

@@ -40,6 +40,7 @@ class PreRopeKeys:
     shift: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     scale_power: float = 1.0  # each channel is divided by its RMS to this power (1: unit RMS; 0: shifted only)
+    per_row: bool = False  # statistics `[batch, ...]` of each row's own keys (a row then codes as it would alone)
 
     @property
     def fitted(self) -> bool:
@@ -53,13 +54,22 @@ class PreRopeKeys:
         return self.rope.derotate_at(keys, positions)
 
     def fit(self, pre: torch.Tensor, weight: torch.Tensor | None = None) -> None:
-        """Per-channel mean and RMS about it of pre-RoPE keys `pre [b, h, n, d]`, over rows and tokens, counting only
-        the tokens where `weight [b, h, n]` (bool) is True when given."""
+        """Per-channel mean and RMS about it of pre-RoPE keys `pre [b, h, n, d]`, over rows and tokens (over each
+        row's tokens with `per_row`; a row with no real token takes the statistics of all rows), counting only the
+        tokens where `weight [b, h, n]` (bool) is True when given."""
         w = torch.ones(pre.shape[:-1], device=pre.device) if weight is None else weight.float()
         w = w.unsqueeze(-1)
-        count = w.sum(dim=(0, 2), keepdim=True).clamp_min(1.0)
-        shift = (pre * w).sum(dim=(0, 2), keepdim=True) / count
-        var = ((pre - shift).square() * w).sum(dim=(0, 2), keepdim=True) / count
+
+        def moments(dims: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            count = w.sum(dim=dims, keepdim=True)
+            mean = (pre * w).sum(dim=dims, keepdim=True) / count.clamp_min(1.0)
+            var = ((pre - mean).square() * w).sum(dim=dims, keepdim=True) / count.clamp_min(1.0)
+            return count, mean, var
+
+        _, shift, var = moments((0, 2))
+        if self.per_row:
+            count, row_shift, row_var = moments((2,))
+            shift, var = torch.where(count > 0, row_shift, shift), torch.where(count > 0, row_var, var)
         scale = var.sqrt().clamp_min(MIN_SCALE)
         self.shift, self.scale = shift, scale if self.scale_power == 1.0 else scale.pow(self.scale_power)
 
