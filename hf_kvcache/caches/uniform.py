@@ -8,10 +8,10 @@ as transformers' sliding layer does (same mask sizes).
 
 `key_quant="prerope"` (the default for the integer formats when the cache has the model config and can undo its
 RoPE) stores keys with RoPE undone, each channel shifted by its mean and divided by the square root of its RMS
-(`quant.prerope`; fitted once per layer after 32 positions), before the per-token groups: the fix for models whose
-keys carry large per-channel offsets (Qwen2.5's k bias: int4 +44 % -> +2.6 % perplexity). Dividing by the full RMS
-equalizes the channels' ranges; by its square root, half-way, lost less on each zoo model (README, "Uniform caches
-on the model zoo"). `"token"` quantizes keys as they come (fp8 keeps it by default: its steps are relative already).
+(`quant.prerope`; fitted per layer and row from the row's first 32 real keys), before the per-token groups: the
+fix for models whose keys carry large per-channel offsets (Qwen2.5's k bias: int4 +44 % -> +2.6 % perplexity).
+Dividing by the full RMS equalizes the channels' ranges; by its square root, half-way, lost less on each zoo model
+(README, "Uniform caches on the model zoo"). `"token"` quantizes keys as they come (fp8 keeps it by default).
 """
 
 from __future__ import annotations
@@ -111,13 +111,13 @@ class UniformQuantLayer(CompressedLayer):
         return QuantizedTensor(s[f"{prefix}_codes"], s[f"{prefix}_scale"], s.get(f"{prefix}_zero"), o.fmt, o.bits,
                                o.resolved_group(n), n)
 
-    def _put(self, prefix: str, q: QuantizedTensor, replace: bool = False) -> None:
-        """Store `q` (append along the tokens, or `replace` what is held)."""
+    def _put(self, prefix: str, q: QuantizedTensor) -> None:
+        """Append `q` to what is stored along the tokens."""
         for field, t in (("codes", q.codes), ("scale", q.scale), ("zero", q.zero)):
             if t is None:
                 continue
             name = f"{prefix}_{field}"
-            self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store and not replace else t
+            self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store else t
 
     def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The true positions of cache indices start..start+n-1 (`[batch, 1, n]`: the index minus the row's left
@@ -131,7 +131,6 @@ class UniformQuantLayer(CompressedLayer):
         return positions, positions >= 0
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        n = key_states.shape[2]
         if self.key_codec is None:
             self._put("k", self.options.quantize(key_states))
         else:

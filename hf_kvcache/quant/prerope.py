@@ -30,9 +30,9 @@ FIT_TOKENS = 32  # keys a layer has seen when it fits the per-channel shift and 
 @dataclass
 class PreRopeKeys:
     """Quantizer of one layer's keys (see the module docstring): `rope` the model's RoPE for the layer, `bits` /
-    `group_size` the KIVI per-token groups; `shift` / `scale` (float32 `[1, kv_heads, 1, head_dim]`) are None until
-    `fit` (until then keys are quantized pre-RoPE with no shift and a unit scale); `scale` is the channel's RMS about
-    its mean to the power `scale_power`."""
+    `group_size` the KIVI per-token groups; `shift` / `scale` (float32 `[1, kv_heads, 1, head_dim]`, `[batch, ...]`
+    with `per_row`) are None until `fit` (until then keys are quantized pre-RoPE with no shift and a unit scale);
+    `scale` is the channel's RMS about its mean to the power `scale_power`."""
 
     rope: KeyRotation
     bits: int
