@@ -228,6 +228,10 @@ class CompressedLayer(DynamicLayer):
         """Every tensor the layer stores, by name (what the lossless codec writes)."""
         return dict(self.store)
 
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `state_tensors` (what the lossless codec restores)."""
+        self.store = dict(tensors)
+
     def batch_size(self) -> int:
         """Rows held (0 before the first update)."""
         first = next(iter(self.store.values()), None)

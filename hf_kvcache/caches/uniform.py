@@ -155,7 +155,8 @@ class UniformQuantLayer(CompressedLayer):
         keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
         held = keys.shape[2]
         pad = self.row_padding(b)
-        ready = seen - (torch.zeros(b, dtype=torch.long, device=keys.device) if pad is None else pad) >= FIT_TOKENS
+        real_seen = torch.full((b,), seen, device=keys.device) if pad is None else seen - pad
+        ready = real_seen >= FIT_TOKENS
         fitted = self.rows_fitted if self.rows_fitted is not None else torch.zeros_like(ready)
         if bool((ready & ~fitted).any()):
             positions, real = self._positions(seen - held, held, b)
@@ -211,7 +212,7 @@ class UniformQuantLayer(CompressedLayer):
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of `state_tensors` (the lossless codec)."""
+        """Inverse of `state_tensors`: the key statistics go back to the codec, the rest to the store."""
         tensors = dict(tensors)
         shift, scale = tensors.pop("key_shift", None), tensors.pop("key_scale", None)
         self.rows_fitted = tensors.pop("key_rows_fitted", None)

@@ -96,10 +96,8 @@ def _store_restore(layer: CompressedLayer, state: LayerState, device: torch.devi
                               torch.empty(b, s["num_heads"], 0, s["value_dim"], dtype=dt, device=device))
     if isinstance(layer, TieredQuantLayer):
         layer.load_tiers(LayerTiers.from_state(s["tiers"], state.tensors, device))
-    elif isinstance(layer, UniformQuantLayer):
-        layer.load_state_tensors({name: t.to(device) for name, t in state.tensors.items()})
     else:
-        layer.store = {name: t.to(device) for name, t in state.tensors.items()}
+        layer.load_state_tensors({name: t.to(device) for name, t in state.tensors.items()})
     layer.cumulative_length = s["cumulative_length"]
     for k, v in s.get("attrs", {}).items():
         if _plain(getattr(layer, k, None)):  # never replace an object the layer built (a recipe, a rotation)
