@@ -6,7 +6,9 @@ with log-sum-exp, so every byte of the cache is read once. GQA: the query heads 
 positions) form the rows of one tile, so KV is never repeated. On CUDA quantized segments run in a Triton kernel
 (split along tokens, flash-decoding style); elsewhere in the torch path of `kernels.from_codes`, which computes
 scores and outputs from the codes with the scales folded in, `block` tokens at a time in reusable scratch (extra memory
-O(block), not O(cached tokens)). Every full-precision piece (tail, new tokens, overlays) makes one more partial.
+O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in the compiled
+CPU kernel (`native`) where it serves, and are otherwise decoded into the full-precision partial (as is every one
+when the attention mass is asked for). Every full-precision piece (tail, new tokens, overlays) makes one more partial.
 Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
 and the overlay attends in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are
 tested against.
@@ -22,7 +24,7 @@ import torch
 from . import native
 from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
-from .segments import FullSegment, QuantSegment, Segment, dense_segments, split_overlays
+from .segments import FullSegment, QuantSegment, Segment, TokenSegment, dense_segments, split_overlays
 from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
 
 NEG_INF = float("-inf")
@@ -100,11 +102,18 @@ def decode_attention(
         hidden = _overlaid_columns(overlays, start, stop, query.device)
         if hidden is not None:  # columns an overlay replaces: masked here, the overlay attends in their place
             cmask = ~hidden.view(1, 1, 1, -1) if cmask is None else cmask & ~hidden.view(1, 1, 1, -1)
-        if isinstance(seg, QuantSegment):
-            seg.check()
+        if not isinstance(seg, FullSegment):
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
             # the torch path masks per query row (a sliding window hides old keys from the later rows of a chunk)
             seg_mask = rows_mask(cmask, group) if cmask is not None and cmask.shape[2] > 1 else cmask
+        if isinstance(seg, TokenSegment):  # the native kernel where it serves, else decoded into the dense partial
+            if (not use_triton and use_native is not False and not return_mass and _one_key_mask(seg_mask)
+                    and native.supports_tokens(q, seg)):
+                partials.append(native.token_partial_native(q, seg, key_valid))
+            else:
+                dense.append((FullSegment(*seg.dequantize(torch.float32)), start, cmask))
+        elif isinstance(seg, QuantSegment):
+            seg.check()
             q_seg = q
             if seg.k_rotation is not None:
                 q_seg = rotated_q.get(id(seg.k_rotation))

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .blockwise import scratch
-from .segments import QuantSegment
+from .segments import QuantSegment, TokenSegment
 
 logger = logging.getLogger(__name__)
 
@@ -94,6 +94,11 @@ def _compile() -> ctypes.CDLL:
                                   i, i, p, p, p, p, p, p, p]
     lib.native_supports.restype = i
     lib.native_supports.argtypes = [i] * 6
+    lib.token_partial.restype = i
+    lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
+                                  p, p, i64, p, p, i64, p, i, i, p, p, p, p, p, p, p]
+    lib.token_supports.restype = i
+    lib.token_supports.argtypes = [i] * 6
     return lib
 
 
@@ -160,8 +165,7 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     b, h, m, d = q.shape
     t = seg.tokens
     threads = torch.get_num_threads()
-    if chunks is None:
-        chunks = 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // (b * h))))
+    chunks = _chunks(t, b * h) if chunks is None else chunks
     q = q.float().contiguous()
     kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
     ks, kz, vs, vz = (x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
@@ -182,4 +186,83 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     return mx, total, acc
 
 
-__all__ = ["available", "library", "quant_partial_native", "supports", "turned_off"]
+def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
+    """Whether `token_partial_native` takes these grouped queries [B, H, M, D] over this per-token segment (CPU,
+    integer codes of 2, 4 or 8 bits, M <= 16 rows, head_dim 64 / 128 / 256 for keys and values alike)."""
+    k, v = seg.keys, seg.values
+    if q.device.type != "cpu" or k.codes.device.type != "cpu" or k.fmt != "int" or v.fmt != "int":
+        return False
+    if k.n != q.shape[3] or v.n != q.shape[3]:
+        return False
+    lib = library()
+    return lib is not None and bool(lib.token_supports(q.shape[2], q.shape[3], k.bits, v.bits, k.group_size,
+                                                       v.group_size))
+
+
+def _scale_zero(x) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 scale and zero of integer codes: a symmetric format's offset code becomes a zero of -offset * scale."""
+    scale = x.scale.float().contiguous()
+    zero = x.zero.float().contiguous() if x.zero is not None else scale * -(2 ** (x.bits - 1) - 1)
+    return scale, zero
+
+
+def _chunks(t: int, rows: int) -> int:
+    threads = torch.get_num_threads()
+    return 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // rows)))
+
+
+_last_angles = threading.local()  # (rope, positions, cos, sin) of the last call: every layer of a step shares them
+
+
+def _angles(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[B or 1, D / 2, T]` of RoPE at `positions [B or 1, T]`, times its attention scaling; the last
+    table is reused while the same RoPE asks at the same positions (the layers of one decode step)."""
+    last = getattr(_last_angles, "value", None)
+    if last is not None and last[0] is rope and last[1].shape == positions.shape and torch.equal(last[1], positions):
+        return last[2], last[3]
+    angles = positions.float().unsqueeze(1) * rope.inv_freq.to(positions.device).view(1, -1, 1)
+    cos, sin = (angles.cos() * rope.scaling).contiguous(), (angles.sin() * rope.scaling).contiguous()
+    _last_angles.value = (rope, positions.clone(), cos, sin)
+    return cos, sin
+
+
+def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
+                         chunks: int | None = None):
+    """`quant_partial_native` for a `TokenSegment`: the softmax partial of grouped, scaled queries `q` [B, H, M, D]
+    over its per-token codes, pre-RoPE keys rotated back tile by tile (the angles folded with the RoPE's attention
+    scaling). Call only where `supports_tokens` says so."""
+    lib = library()
+    b, h, m, d = q.shape
+    t = seg.tokens
+    threads = torch.get_num_threads()
+    chunks = _chunks(t, b * h) if chunks is None else chunks
+    q = q.float().contiguous()
+    kc, vc = _bytes_strides(seg.keys.codes), _bytes_strides(seg.values.codes)
+    (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
+    shift = scale = cos = sin = None
+    cs_sb = r_sb = 0
+    codec = seg.key_codec
+    if codec is not None:
+        shift = codec.shift.float().reshape(-1, h, d).contiguous()
+        scale = codec.scale.float().reshape(-1, h, d).contiguous()
+        cs_sb = h * d if shift.shape[0] > 1 else 0
+        cos, sin = _angles(codec.rope, seg.positions.reshape(-1, t))
+        r_sb = (d // 2) * t if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T]
+    valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
+    work = scratch("native_scores", b * h * m * t, torch.float32, q.device)
+    cmx, csum, cacc = torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m, d)
+    mx, total, acc = torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d)
+    rc = lib.token_partial(
+        _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
+        _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
+        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), chunks, threads,
+        _ptr(work), _ptr(cmx), _ptr(csum), _ptr(cacc), _ptr(mx), _ptr(total), _ptr(acc),
+    )
+    if rc:
+        raise ValueError(f"the native kernel has no variant for this per-token segment ({seg.keys.bits}/"
+                         f"{seg.values.bits} bits, head_dim {d}, {m} rows): check `supports_tokens` first")
+    return mx, total, acc
+
+
+__all__ = ["available", "library", "quant_partial_native", "supports", "supports_tokens", "token_partial_native",
+           "turned_off"]

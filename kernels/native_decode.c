@@ -22,6 +22,7 @@
 #define MAXM 16           /* query rows per KV head */
 #define MAXD 256          /* head dim */
 #define MAXTG 64          /* tokens per tile */
+#define MAXG 32           /* per-token key scales (groups of channels) */
 #define NEG (-3.0e38f)    /* a masked score */
 #define INLINE static inline __attribute__((always_inline))
 
@@ -191,6 +192,34 @@ int native_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) 
            vgroup > 0 && D % vgroup == 0;
 }
 
+/* Merge the chunk partials of every row (rows = B H, M each) by their log-sum-exp into mx_out, sum_out [rows, M]
+   and acc_out [rows, M, D]; a row that saw no key in any chunk reports max -inf, sum 0, output 0. */
+static void merge_chunks(int64_t rows, int M, int D, int chunks, const float* cmx, const float* csum,
+                         const float* cacc, float* mx_out, float* sum_out, float* acc_out) {
+    for (int64_t r = 0; r < rows * M; r++) {  /* merge the chunks of each row */
+        const int64_t bh = r / M, m = r % M;
+        float mx = NEG;
+        for (int c = 0; c < chunks; c++) mx = cmx[(bh * chunks + c) * M + m] > mx ? cmx[(bh * chunks + c) * M + m] : mx;
+        float* out = acc_out + r * D;
+        memset(out, 0, sizeof(float) * D);
+        if (mx <= 0.5f * NEG) {  /* no key in any chunk */
+            const uint32_t minus_inf = 0xff800000u;
+            memcpy(&mx_out[r], &minus_inf, sizeof(float));
+            sum_out[r] = 0.f;
+            continue;
+        }
+        float tot = 0.f;
+        for (int c = 0; c < chunks; c++) {
+            const int64_t i = (bh * chunks + c) * M + m;
+            const float w = expf(cmx[i] - mx);
+            tot += csum[i] * w;
+            for (int d = 0; d < D; d++) out[d] += cacc[i * D + d] * w;
+        }
+        mx_out[r] = mx;
+        sum_out[r] = tot;
+    }
+}
+
 /* The softmax partial over one segment for every (b, h): mx_out, sum_out [B, H, M], acc_out [B, H, M, D].
    q [B, H, M, D] float32 contiguous; kc, vc uint8 with element strides (b, h, token) and contiguous bytes;
    ks, kz [B, H, T / kgroup, D] and vs, vz [B, H, T, D / vgroup] float32 contiguous; valid [B, T] uint8 or NULL.
@@ -223,27 +252,155 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
                  vc + b * vc_sb + h * vc_sh + t0 * vc_st, vc_st, vbits, vgroup, vs + (bh * T + t0) * J,
                  vz + (bh * T + t0) * J, valid ? valid + b * T + t0 : 0, work + (bh * T + t0) * M, mx, sum, acc, TG);
     }
-    for (int64_t r = 0; r < (int64_t)B * H * M; r++) {  /* merge the chunks of each row */
-        const int64_t bh = r / M, m = r % M;
-        float mx = NEG;
-        for (int c = 0; c < chunks; c++) mx = cmx[(bh * chunks + c) * M + m] > mx ? cmx[(bh * chunks + c) * M + m] : mx;
-        float* out = acc_out + r * D;
-        memset(out, 0, sizeof(float) * D);
-        if (mx <= 0.5f * NEG) {  /* no key in any chunk */
-            const uint32_t minus_inf = 0xff800000u;
-            memcpy(&mx_out[r], &minus_inf, sizeof(float));
-            sum_out[r] = 0.f;
+    merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
+    return 0;
+}
+
+/* ---- per-token key codes (the uniform cache's format) ------------------------------------------------------------
+
+   Keys are codes per token in groups of `kgroup` channels (k = code * ks[t, g] + kz[t, g]; a symmetric format passes
+   kz = -offset * ks), packed as the values are. With a pre-RoPE frame (cshift != NULL) the codes hold normalized
+   pre-RoPE keys: the key is then R(t) (k * cscale + cshift), R(t) the rotation of rotate_half RoPE by the angles
+   whose cos / sin are rc[t, j], rs[t, j] (j < D / 2). Each tile of tokens is decoded into a small float buffer once
+   and read by every query row of the KV head. */
+
+/* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of per-token key codes kc (row stride kc_st bytes), scales
+   and zeros ks, kz [n, D / kgroup]; with a pre-RoPE frame, cos / sin rows rc, rs [D / 2, r_st] (token t at column t).
+   A tile of MAXTG tokens is decoded channel-major (kt[d * MAXTG + tt]), so that every step runs along the tokens. */
+INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st,
+                         const int kbits, int kgroup, const float* ks, const float* kz, const float* cshift,
+                         const float* cscale, const float* rc, const float* rs, int64_t r_st, float* s) {
+    enum { TG = MAXTG };
+    const int per = 8 / kbits, words = D / per / 4, mask = (1 << kbits) - 1, G = D / kgroup, half = D / 2;
+    uint32_t trw[MAXD / 4 * TG] __attribute__((aligned(64)));  /* trw[w * TG + tt]: code bytes 4w..4w+3 */
+    float sct[MAXG * TG] __attribute__((aligned(64))), zct[MAXG * TG] __attribute__((aligned(64)));
+    float kt[MAXD * TG] __attribute__((aligned(64)));
+    for (int t0 = 0; t0 < n; t0 += TG) {
+        const int nt = n - t0 < TG ? n - t0 : TG;
+        for (int tt = 0; tt < TG; tt++) {  /* past the last token: zero codes and scales (scores never read) */
+            const int64_t t = t0 + tt;
+            const uint8_t* row = kc + t * kc_st;
+            for (int w = 0; w < words; w++) trw[w * TG + tt] = tt < nt ? load32(row + 4 * w) : 0u;
+            for (int g = 0; g < G; g++) {
+                sct[g * TG + tt] = tt < nt ? ks[t * G + g] : 0.f;
+                zct[g * TG + tt] = tt < nt ? kz[t * G + g] : 0.f;
+            }
+        }
+        for (int w = 0; w < words; w++)  /* byte 4w + k / per, lane k % per: channel 4 w per + k */
+            for (int k = 0; k < 4 * per; k++) {
+                const int d = 4 * w * per + k, sh = 8 * (k / per) + kbits * (k % per), g = d / kgroup;
+                const uint32_t* src = trw + w * TG;
+                const float* sc = sct + g * TG;
+                const float* zr = zct + g * TG;
+                float* c = kt + d * TG;
+                if (cshift) {  /* the channel's scale and shift folded in: (code * s + z) * a + b */
+                    const float a = cscale[d], b = cshift[d];
+                    for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask) * (sc[tt] * a) + (zr[tt] * a + b);
+                } else {
+                    for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask) * sc[tt] + zr[tt];
+                }
+            }
+        if (cshift) {
+            for (int j = 0; j < half; j++) {
+                float* c1 = kt + j * TG;
+                float* c2 = kt + (j + half) * TG;
+                const float* cr = rc + j * r_st + t0;
+                const float* sr = rs + j * r_st + t0;
+                for (int tt = 0; tt < nt; tt++) {
+                    const float x = c1[tt], y = c2[tt];
+                    c1[tt] = x * cr[tt] - y * sr[tt];
+                    c2[tt] = y * cr[tt] + x * sr[tt];
+                }
+            }
+        }
+        for (int m = 0; m < M; m++) {
+            float acc[TG] __attribute__((aligned(64)));
+            for (int tt = 0; tt < TG; tt++) acc[tt] = 0.f;
+            for (int d = 0; d < D; d++) {
+                const float wd = q[m * D + d];
+                const float* c = kt + d * TG;
+                for (int tt = 0; tt < TG; tt++) acc[tt] += wd * c[tt];
+            }
+            memcpy(s + (int64_t)m * n + t0, acc, nt * sizeof(float));
+        }
+    }
+}
+
+/* One task of `token_partial`: rows q[M, D] over n tokens (pointers at the chunk's first token). */
+INLINE void token_chunk(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, const int kbits,
+                        int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
+                        int vgroup, const float* vs, const float* vz, const float* cshift, const float* cscale,
+                        const float* rc, const float* rs, int64_t r_st, const uint8_t* valid, float* s, float* mx,
+                        float* sum, float* acc) {
+    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, cshift, cscale, rc, rs, r_st, s);
+    if (valid)
+        for (int t = 0; t < n; t++)
+            if (!valid[t])
+                for (int m = 0; m < M; m++) s[(int64_t)m * n + t] = NEG;
+    softmax_rows(s, M, n, mx, sum);
+    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, n, acc);
+}
+
+#define TOKEN_VARIANT(DD, KB)                                                                                    \
+    if (D == DD && kbits == KB) {                                                                                \
+        token_chunk(q, M, DD, n, kc, kc_st, KB, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, cshift, cscale, \
+                    rc, rs, r_st, valid, s, mx, sum, acc);                                                       \
+        return;                                                                                                  \
+    }
+#define TOKEN_BITS(DD) TOKEN_VARIANT(DD, 2) TOKEN_VARIANT(DD, 4) TOKEN_VARIANT(DD, 8)
+
+static void token_dispatch(const float* q, int M, int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
+                           int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
+                           int vgroup, const float* vs, const float* vz, const float* cshift, const float* cscale,
+                           const float* rc, const float* rs, int64_t r_st, const uint8_t* valid, float* s, float* mx,
+                           float* sum, float* acc) {
+    TOKEN_BITS(64) TOKEN_BITS(128) TOKEN_BITS(256)
+}
+
+/* 1 when `token_partial` has a variant for the shape. */
+int token_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
+    int bits_ok = (kbits == 2 || kbits == 4 || kbits == 8) && (vbits == 2 || vbits == 4 || vbits == 8);
+    return M >= 1 && M <= MAXM && (D == 64 || D == 128 || D == 256) && bits_ok && kgroup > 0 && D % kgroup == 0 &&
+           D / kgroup <= MAXG && vgroup > 0 && D % vgroup == 0 && vgroup % (8 / vbits) == 0;
+}
+
+/* The softmax partial over one segment of per-token key codes, as `quant_partial` (same outputs, chunks, work):
+   ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
+   strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
+   rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). Returns 1 for an unsupported shape. */
+int token_partial(const float* q, int B, int H, int M, int D, int T,
+                  const uint8_t* kc, int64_t kc_sb, int64_t kc_sh, int64_t kc_st, int kbits, int kgroup,
+                  const float* ks, const float* kz,
+                  const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
+                  const float* vs, const float* vz,
+                  const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
+                  int64_t r_sb, const uint8_t* valid, int chunks, int threads,
+                  float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
+    if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1) return 1;
+    const int G = D / kgroup, J = D / vgroup;
+    const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
+    const int tasks = B * H * chunks;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int task = 0; task < tasks; task++) {
+        const int64_t bh = task / chunks, b = bh / H, h = bh % H;
+        const int c = task % chunks, t0 = c * per, n = T - t0 < per ? T - t0 : per;
+        float* mx = cmx + (bh * chunks + c) * M;
+        float* sum = csum + (bh * chunks + c) * M;
+        float* acc = cacc + (bh * chunks + c) * M * D;
+        if (n <= 0) {
+            for (int m = 0; m < M; m++) mx[m] = NEG, sum[m] = 0.f;
+            memset(acc, 0, sizeof(float) * M * D);
             continue;
         }
-        float tot = 0.f;
-        for (int c = 0; c < chunks; c++) {
-            const int64_t i = (bh * chunks + c) * M + m;
-            const float w = expf(cmx[i] - mx);
-            tot += csum[i] * w;
-            for (int d = 0; d < D; d++) out[d] += cacc[i * D + d] * w;
-        }
-        mx_out[r] = mx;
-        sum_out[r] = tot;
+        const float* shift = cshift ? cshift + b * cs_sb + h * D : 0;
+        const float* scale = cshift ? cscale + b * cs_sb + h * D : 0;
+        const float* rcb = cshift ? rc + b * r_sb + t0 : 0;
+        const float* rsb = cshift ? rs + b * r_sb + t0 : 0;
+        token_dispatch(q + bh * M * D, M, D, n, kc + b * kc_sb + h * kc_sh + t0 * kc_st, kc_st, kbits, kgroup,
+                       ks + (bh * T + t0) * G, kz + (bh * T + t0) * G, vc + b * vc_sb + h * vc_sh + t0 * vc_st, vc_st,
+                       vbits, vgroup, vs + (bh * T + t0) * J, vz + (bh * T + t0) * J, shift, scale, rcb, rsb, T,
+                       valid ? valid + b * T + t0 : 0, work + (bh * T + t0) * M, mx, sum, acc);
     }
+    merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
 }

@@ -5,6 +5,9 @@ A `QuantSegment` holds KIVI-style codes (keys per channel in groups of `k_group`
 little-endian bit stream (`hf_kvcache.quant.packing.pack_bits` layout, for every width 1..8): code `d` sits at bit
 `bits * d`. A `FullSegment` holds plain keys/values. Both are `[batch, kv_heads, tokens, ...]`.
 
+A `TokenSegment` holds the uniform cache's per-token codes (`quant.uniform`: keys and values each in groups of channels
+per token), its keys optionally pre-RoPE and normalized (`key_codec`, read back at `positions`).
+
 A `FullSegment` with `overlay_at` set is an overlay: it does not add positions, it replaces what the other segments
 hold at positions `[overlay_at, overlay_at + tokens)` (full-precision attention sinks laid over a quantized tier).
 """
@@ -16,6 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from hf_kvcache.quant.kivi import KIVIQuantized, dequantize_kivi
+from hf_kvcache.quant.prerope import PreRopeKeys
+from hf_kvcache.quant.uniform import QuantizedTensor, dequantize as dequantize_uniform
 from hf_kvcache.quant.rotation import Rotation, unrotate as unrotate_by
 
 
@@ -95,7 +100,35 @@ class FullSegment:
         return self.keys.shape[2]
 
 
-Segment = QuantSegment | FullSegment
+@dataclass
+class TokenSegment:
+    """Per-token codes `[B, H, T, ...]` (`quant.uniform.QuantizedTensor`: codes, scales and zeros per token and group
+    of channels). With `key_codec` the keys hold `key_codec`'s normalized pre-RoPE frame and are read back at
+    `positions` (`[T]`, or `[B, 1, T]` with left padding: each row's true positions)."""
+
+    keys: QuantizedTensor
+    values: QuantizedTensor
+    key_codec: PreRopeKeys | None = None
+    positions: torch.Tensor | None = None
+
+    @property
+    def k_codes(self) -> torch.Tensor:
+        return self.keys.codes
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.codes.shape[2]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RoPE redone when pre-RoPE) and values `[B, H, T, D]` in `dtype`; `unrotate` is accepted for the
+        segment interface (no rotation is held)."""
+        values = dequantize_uniform(self.values, dtype)
+        if self.key_codec is None:
+            return dequantize_uniform(self.keys, dtype), values
+        return self.key_codec.dequantize(self.keys, self.positions, dtype), values
+
+
+Segment = QuantSegment | TokenSegment | FullSegment
 
 
 def split_overlays(segments: list[Segment]) -> tuple[list[Segment], list[FullSegment]]:

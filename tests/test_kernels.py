@@ -344,3 +344,82 @@ def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, cap
         assert len(list((tmp_path / "build").glob("native_decode_*.so"))) == 1
         out, _ = decode_attention(q, [seg], use_native=True)
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def token_segment(b, h, t, d, dtype="int4", group_size=None, symmetric=None, prerope=False, pad=(0,), seed=0):
+    """A `TokenSegment` of the uniform cache's codes; with `prerope`, keys normalized pre-RoPE with statistics per row
+    and each row's true positions (the index minus its left padding `pad`)."""
+    from hf_kvcache.caches.uniform import UniformPreRopeKeys, UniformQuantOptions
+    from hf_kvcache.kernels.segments import TokenSegment
+    from hf_kvcache.rope import KeyRotation
+
+    g = torch.Generator().manual_seed(seed)
+    options = UniformQuantOptions(dtype=dtype, group_size=group_size, symmetric=symmetric)
+    options.validate()
+    k = torch.randn(b, h, t, d, generator=g) + 4 * torch.randn(1, h, 1, d, generator=g)  # channel offsets
+    v = torch.randn(b, h, t, d, generator=g)
+    if not prerope:
+        return TokenSegment(options.quantize(k), options.quantize(v))
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), attention_scaling=1.25)
+    codec = UniformPreRopeKeys(rope, options.bits, scale_power=0.5, per_row=True, options=options)
+    positions = (torch.arange(t)[None] - torch.tensor(pad)[:, None]).unsqueeze(1)  # [b or 1, 1, t]
+    pre = codec.derotate(k, positions)
+    codec.fit(pre)
+    return TokenSegment(codec.quantize_pre(pre), options.quantize(v), codec, positions)
+
+
+@pytest.mark.parametrize(
+    "d,dtype,group_size,symmetric,prerope",
+    [(64, "int4", None, None, False), (64, "int4", None, None, True), (64, "int8", None, None, True),
+     (128, "int4", 16, False, True), (256, "int8", 64, False, False), (256, "int4", None, None, True)],
+)
+@pytest.mark.parametrize("chunks", [1, 3])
+def test_native_token_partial_matches_dequantized_keys(d, dtype, group_size, symmetric, prerope, chunks):
+    """The compiled kernel over per-token codes (the uniform cache's format; pre-RoPE keys rotated back tile by tile,
+    RoPE's attention scaling folded into the angles) gives the partial of its dequantized keys and values, with a
+    left-padding key mask, each row at its own positions, and the tokens split into chunks."""
+    native_or_skip()
+    from hf_kvcache.kernels.blockwise import dense_partial, finish
+
+    b, h, m, t = 2, 3, 5, 203  # not a multiple of the 64-token tile
+    seg = token_segment(b, h, t, d, dtype, group_size, symmetric, prerope, pad=(0, 9), seed=d)
+    q = torch.randn(b, h, m, d, generator=torch.Generator().manual_seed(1)) / d**0.5
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :9] = False
+    assert native.supports_tokens(q, seg)
+    k, v = seg.dequantize(torch.float32)
+    ref = dense_partial(q, k, v, valid.view(b, 1, 1, t))
+    got = native.token_partial_native(q, seg, valid, chunks=chunks)
+    (ref_out, ref_lse), (got_out, got_lse) = finish(ref), finish(got)  # partials differ in form, not in meaning
+    # fp32 sums in other orders (the kernel under -ffast-math): measured up to 2.3e-6 (output) and 1.9e-6 (lse)
+    torch.testing.assert_close(got_out, ref_out, atol=4e-6, rtol=1e-5)
+    torch.testing.assert_close(got_lse, ref_lse, atol=3e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("path", ["torch", "native"])
+@pytest.mark.parametrize("return_mass", [False, True])
+def test_decode_attention_over_a_token_segment(path, return_mass):
+    """A per-token segment plus the new token, with left padding: the native kernel (where it serves; the mass is
+    always computed from the decoded keys) and the decoded fallback both match the reference."""
+    seg = token_segment(2, 2, 150, 64, "int4", prerope=True, pad=(0, 30), seed=5)
+    tail = FullSegment(torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64))
+    q = torch.randn(2, 6, 1, 64)
+    mask = left_padded_mask(2, 1, 151, (0, 30))
+    ref, ref_mass = reference_attention(q, [seg, tail], mask)
+    out, mass = decode_attention(q, [seg, tail], mask, return_mass=return_mass, **kernel(path))
+    torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
+    if return_mass:
+        torch.testing.assert_close(mass, ref_mass, atol=4e-6, rtol=1e-5)
+
+
+def test_native_token_supports_only_its_variants():
+    """No variant (the decoded fallback serves): fp8 codes, head_dim 80, more than 16 rows, more than 32 key scales
+    per token, queries on another device type."""
+    native_or_skip()
+    q = torch.randn(1, 1, 4, 64)
+    assert native.supports_tokens(q, token_segment(1, 1, 32, 64, "int4"))
+    assert not native.supports_tokens(q, token_segment(1, 1, 32, 64, "fp8"))
+    assert not native.supports_tokens(torch.randn(1, 1, 4, 80), token_segment(1, 1, 32, 80, "int8"))
+    assert not native.supports_tokens(torch.randn(1, 1, 17, 64), token_segment(1, 1, 32, 64, "int4"))
+    assert not native.supports_tokens(q, token_segment(1, 1, 32, 64, "int4", group_size=1))
+    assert not native.supports_tokens(q.to("meta"), token_segment(1, 1, 32, 64, "int4"))

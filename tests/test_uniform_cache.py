@@ -247,3 +247,24 @@ def test_a_row_with_fewer_than_32_real_tokens_stays_exact_until_it_has_them():
     held, _ = layer.materialize()
     err = (held - keys)[:, :, 20:].norm() / keys[:, :, 20:].norm()
     assert err < 0.12  # measured 9.5 %
+
+
+def test_attention_segments_hold_what_materialize_reads():
+    """The fused attention reads one `TokenSegment` of the stored codes: none while keys wait raw for the statistics
+    (or for fp8, which keeps the dequantize path); then, decoded, exactly what `materialize` returns."""
+    g = torch.Generator().manual_seed(7)
+    keys, values = torch.randn(B, H, 48, D, generator=g), torch.randn(B, H, 48, D, generator=g)
+    for key_quant in ("prerope", "token"):
+        cache = UniformQuantCache(config=tiny_config(), dtype="int4", key_quant=key_quant)
+        assert cache.reads_fused
+        layer = cache.layers[0]
+        cache.update(keys[:, :, :10], values[:, :, :10], 0)
+        assert (layer.attention_segments() is None) == (key_quant == "prerope")  # raw keys until 32 are seen
+        cache.update(keys[:, :, 10:], values[:, :, 10:], 0)
+        (segment,) = layer.attention_segments()
+        assert segment.tokens == 48 and (segment.key_codec is not None) == (key_quant == "prerope")
+        for got, want in zip(segment.dequantize(layer.dtype), layer.materialize()):
+            assert torch.equal(got, want)
+    fp8 = UniformQuantCache(config=tiny_config(), dtype="fp8")
+    fp8.update(keys, values, 0)
+    assert not fp8.reads_fused and fp8.layers[0].attention_segments() is None

@@ -405,15 +405,18 @@ class CompressedCache(Cache):
 
     def _layer_ropes(self, config: Any, what: str, instead: str, why: str,
                      kinds: tuple[type, ...]) -> list[tuple[Any, KeyRotation]]:
-        """Each layer of `kinds` with its RoPE (`rope.KeyRotation`, by layer type) from `config`; the errors say
-        that `what` needs it (`why`) and to set `instead` otherwise."""
+        """Each layer of `kinds` with its RoPE (`rope.KeyRotation`, by layer type: layers of one type share one
+        object) from `config`; the errors say that `what` needs it (`why`) and to set `instead` otherwise."""
         if config is None:
             raise ValueError(f"{what} {why}, which needs the config: {type(self).__name__}(config=model.config, ...); "
                              f"or set {instead}")
         text = config.get_text_config(decoder=True)
         types = getattr(text, "layer_types", None) or [None] * len(self.layers)
-        return [(layer, KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead))
-                for layer, layer_type in zip(self.layers, types) if isinstance(layer, kinds)]
+        ropes: dict[str | None, KeyRotation] = {}
+        for layer_type in types:
+            if layer_type not in ropes:
+                ropes[layer_type] = KeyRotation.from_config(config, layer_type=layer_type, user=what, instead=instead)
+        return [(layer, ropes[layer_type]) for layer, layer_type in zip(self.layers, types) if isinstance(layer, kinds)]
 
     def memory_stats(self) -> dict[str, float]:
         return memory_stats(self)

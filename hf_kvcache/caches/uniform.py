@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..kernels.segments import TokenSegment
 from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.prerope import FIT_TOKENS, PreRopeKeys
 from ..quant.uniform import FP8_DTYPES, QuantizedTensor, dequantize, quantize
@@ -174,21 +175,32 @@ class UniformQuantLayer(CompressedLayer):
         self.store["k_pending"] = keys
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if "k_pending" not in self.store:
+            return self._segment().dequantize(self.dtype)
         values = dequantize(self._held("v", self.value_dim), self.dtype)
-        held = self.tokens_held()
-        if "k_pending" in self.store:  # some row not fitted yet: fitted rows read their keys through their codes
-            keys = self.store["k_pending"]
-            if self.rows_fitted is None:
-                return keys, values
-            positions, _ = self._positions(self.cumulative_length - held, held, keys.shape[0])
-            codec = self.key_codec
-            coded = codec.dequantize(codec.quantize_pre(codec.derotate(keys, positions)), positions, self.dtype)
-            return torch.where(self.rows_fitted.view(-1, 1, 1, 1), coded, keys), values
-        keys = self._held("k", self.head_dim)
+        keys = self.store["k_pending"]  # some row not fitted yet: fitted rows read their keys through their codes
+        if self.rows_fitted is None:
+            return keys, values
+        positions, _ = self._positions(self.cumulative_length - keys.shape[2], keys.shape[2], keys.shape[0])
+        codec = self.key_codec
+        coded = codec.dequantize(codec.quantize_pre(codec.derotate(keys, positions)), positions, self.dtype)
+        return torch.where(self.rows_fitted.view(-1, 1, 1, 1), coded, keys), values
+
+    def _segment(self) -> TokenSegment:
+        """The held codes (every row's key statistics fitted), pre-RoPE keys with their true positions."""
+        keys, values = self._held("k", self.head_dim), self._held("v", self.value_dim)
         if self.key_codec is None:
-            return dequantize(keys, self.dtype), values
+            return TokenSegment(keys, values)
+        held = keys.codes.shape[2]
         positions, _ = self._positions(self.cumulative_length - held, held, keys.codes.shape[0])
-        return self.key_codec.dequantize(keys, positions, self.dtype), values
+        return TokenSegment(keys, values, self.key_codec, positions)
+
+    def attention_segments(self) -> list | None:
+        """The held codes as one `TokenSegment` the fused attention reads in place (integer formats, once the key
+        statistics of every row are fitted); None otherwise (the layer then hands over dequantized tensors)."""
+        if self.options.fmt != "int" or "k_pending" in self.store or "k_codes" not in self.store:
+            return None
+        return [self._segment()]
 
     def held_tensors(self) -> list[torch.Tensor]:
         extra = [] if self.rows_fitted is None else [self.rows_fitted]
@@ -256,3 +268,4 @@ class UniformQuantCache(CompressedCache):
             for layer, rope in ropes:
                 layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, per_row=True, options=o)
         o.key_quant = self.key_quant  # the options say what is in use (the lossless codec rebuilds from them)
+        self.reads_fused = o.fmt == "int"  # integer codes: generate binds the cache and the fused attention reads them

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack_bits, unpack_bits
+from .packing import lane_factors, pack_bits, unpack_lanes
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _SCALE_DTYPE = torch.float16
@@ -91,11 +91,14 @@ def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.
     """Rebuild the tensor `q` was made from (up to quantization error)."""
     if q.fmt in FP8_DTYPES:
         vals = q.codes.float()
-    else:
-        vals = unpack_bits(q.codes, q.bits, q.n).float()
+    else:  # a fresh float32 tensor, worked on in place
+        vals, shifted = unpack_lanes(q.codes, q.bits, q.n)
+        if shifted:  # lane d holds code * 2**k: an exact power-of-two factor
+            vals.mul_(lane_factors(q.bits, q.n, vals.device))
         if q.zero is None:
-            vals = vals - (2 ** (q.bits - 1) - 1)
-    g = _grouped(vals, q.group_size) * q.scale.float().unsqueeze(-1)
+            vals.sub_(2 ** (q.bits - 1) - 1)
+    g = _grouped(vals, q.group_size)
+    g = g.mul_(q.scale.float().unsqueeze(-1)) if q.fmt not in FP8_DTYPES else g * q.scale.float().unsqueeze(-1)
     if q.zero is not None:
-        g = g + q.zero.float().unsqueeze(-1)
+        g.add_(q.zero.float().unsqueeze(-1))
     return g.reshape(*vals.shape[:-1], q.n).to(dtype)
