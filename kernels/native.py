@@ -170,11 +170,7 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
     ks, kz, vs, vz = (x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
-    work = scratch("native_scores", b * h * m * t, torch.float32, q.device)
-    cmx = torch.empty(b, h, chunks, m)
-    csum = torch.empty(b, h, chunks, m)
-    cacc = torch.empty(b, h, chunks, m, d)
-    mx, total, acc = torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d)
+    work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks)
     rc = lib.quant_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.k_bits, seg.k_group, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.v_bits, seg.v_group, _ptr(vs), _ptr(vz), _ptr(valid), chunks, threads,
@@ -204,6 +200,14 @@ def _scale_zero(x) -> tuple[torch.Tensor, torch.Tensor]:
     scale = x.scale.float().contiguous()
     zero = x.zero.float().contiguous() if x.zero is not None else scale * -(2 ** (x.bits - 1) - 1)
     return scale, zero
+
+
+def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
+    """Scratch for the scores (`[b h m t]` floats, reused), the chunk partials (max, sum `[b, h, chunks, m]`, output
+    `[b, h, chunks, m, d]`) and the merged partial (`[b, h, m]` twice, `[b, h, m, d]`) a kernel call writes."""
+    work = scratch("native_scores", b * h * m * t, torch.float32, torch.device("cpu"))
+    chunk = torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m, d)
+    return work, chunk, (torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d))
 
 
 def _chunks(t: int, rows: int) -> int:
@@ -249,9 +253,7 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         cos, sin = _angles(codec.rope, seg.positions.reshape(-1, t))
         r_sb = (d // 2) * t if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T]
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
-    work = scratch("native_scores", b * h * m * t, torch.float32, q.device)
-    cmx, csum, cacc = torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m, d)
-    mx, total, acc = torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d)
+    work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks)
     rc = lib.token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),

@@ -220,23 +220,17 @@ static void merge_chunks(int64_t rows, int M, int D, int chunks, const float* cm
     }
 }
 
-/* The softmax partial over one segment for every (b, h): mx_out, sum_out [B, H, M], acc_out [B, H, M, D].
-   q [B, H, M, D] float32 contiguous; kc, vc uint8 with element strides (b, h, token) and contiguous bytes;
-   ks, kz [B, H, T / kgroup, D] and vs, vz [B, H, T, D / vgroup] float32 contiguous; valid [B, T] uint8 or NULL.
-   The token range splits into `chunks` chunks (whole key groups); work holds B H M T floats, cmx and csum
-   B H chunks M, cacc B H chunks M D. Returns 1 (and computes nothing) for an unsupported shape. */
-int quant_partial(const float* q, int B, int H, int M, int D, int T,
-                  const uint8_t* kc, int64_t kc_sb, int64_t kc_sh, int64_t kc_st, int kbits, int kgroup,
-                  const float* ks, const float* kz,
-                  const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
-                  const float* vs, const float* vz, const uint8_t* valid, int chunks, int threads,
-                  float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
-    if (!native_supports(M, D, kbits, vbits, kgroup, vgroup) || T % kgroup || chunks < 1) return 1;
-    const int G = T / kgroup, J = D / vgroup, TG = tile_for(kgroup);
-    const int per = (G + chunks - 1) / chunks * kgroup;  /* tokens per chunk */
-    const int tasks = B * H * chunks;
+/* Every task (row b, head h, token chunk c of `per` tokens) on OpenMP threads: `fn` writes the chunk's partial into
+   its slots of cmx, csum [rows, chunks, M] and cacc [rows, chunks, M, D], its scores into work (M floats per token);
+   a chunk past the last token gets the empty partial. */
+typedef void (*task_fn)(const void* args, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
+                        float* sum, float* acc);
+
+static void run_tasks(int64_t rows, int H, int M, int D, int T, int per, int chunks, int threads, task_fn fn,
+                      const void* args, float* work, float* cmx, float* csum, float* cacc) {
+    const int64_t tasks = rows * chunks;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int task = 0; task < tasks; task++) {
+    for (int64_t task = 0; task < tasks; task++) {
         const int64_t bh = task / chunks, b = bh / H, h = bh % H;
         const int c = task % chunks, t0 = c * per, n = T - t0 < per ? T - t0 : per;
         float* mx = cmx + (bh * chunks + c) * M;
@@ -247,11 +241,45 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
             memset(acc, 0, sizeof(float) * M * D);
             continue;
         }
-        dispatch(q + bh * M * D, M, D, n, kc + b * kc_sb + h * kc_sh + t0 * kc_st, kc_st, kbits, kgroup,
-                 ks + (bh * G + t0 / kgroup) * D, kz + (bh * G + t0 / kgroup) * D,
-                 vc + b * vc_sb + h * vc_sh + t0 * vc_st, vc_st, vbits, vgroup, vs + (bh * T + t0) * J,
-                 vz + (bh * T + t0) * J, valid ? valid + b * T + t0 : 0, work + (bh * T + t0) * M, mx, sum, acc, TG);
+        fn(args, b, h, bh, t0, n, work + (bh * T + t0) * M, mx, sum, acc);
     }
+}
+
+/* The softmax partial over one segment for every (b, h): mx_out, sum_out [B, H, M], acc_out [B, H, M, D].
+   q [B, H, M, D] float32 contiguous; kc, vc uint8 with element strides (b, h, token) and contiguous bytes;
+   ks, kz [B, H, T / kgroup, D] and vs, vz [B, H, T, D / vgroup] float32 contiguous; valid [B, T] uint8 or NULL.
+   The token range splits into `chunks` chunks (whole key groups); work holds B H M T floats, cmx and csum
+   B H chunks M, cacc B H chunks M D. Returns 1 (and computes nothing) for an unsupported shape. */
+struct quant_args {
+    const float* q; int M, D, T, G, J, TG;
+    const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
+    const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
+    const uint8_t* valid;
+};
+
+static void quant_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
+                       float* sum, float* acc) {
+    const struct quant_args* a = p;
+    const int M = a->M, D = a->D, T = a->T, G = a->G, J = a->J, kgroup = a->kgroup;
+    dispatch(a->q + bh * M * D, M, D, n, a->kc + b * a->kc_sb + h * a->kc_sh + t0 * a->kc_st, a->kc_st, a->kbits,
+             kgroup, a->ks + (bh * G + t0 / kgroup) * D, a->kz + (bh * G + t0 / kgroup) * D,
+             a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
+             a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J, a->valid ? a->valid + b * T + t0 : 0, s, mx, sum,
+             acc, a->TG);
+}
+
+int quant_partial(const float* q, int B, int H, int M, int D, int T,
+                  const uint8_t* kc, int64_t kc_sb, int64_t kc_sh, int64_t kc_st, int kbits, int kgroup,
+                  const float* ks, const float* kz,
+                  const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
+                  const float* vs, const float* vz, const uint8_t* valid, int chunks, int threads,
+                  float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
+    if (!native_supports(M, D, kbits, vbits, kgroup, vgroup) || T % kgroup || chunks < 1) return 1;
+    const int G = T / kgroup;
+    const struct quant_args a = {q, M, D, T, G, D / vgroup, tile_for(kgroup), kc, kc_sb, kc_sh, kc_st, kbits, kgroup,
+                                 ks, kz, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, valid};
+    run_tasks(B * H, H, M, D, T, (G + chunks - 1) / chunks * kgroup, chunks, threads, quant_task, &a, work, cmx, csum,
+              cacc);
     merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
 }
@@ -368,6 +396,28 @@ int token_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
    ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
    strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
    rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). Returns 1 for an unsupported shape. */
+struct token_args {
+    const float* q; int M, D, T, G, J;
+    const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
+    const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
+    const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb;
+    const uint8_t* valid;
+};
+
+static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
+                       float* sum, float* acc) {
+    const struct token_args* a = p;
+    const int M = a->M, D = a->D, T = a->T, G = a->G, J = a->J;
+    const int framed = a->cshift != 0;
+    token_dispatch(a->q + bh * M * D, M, D, n, a->kc + b * a->kc_sb + h * a->kc_sh + t0 * a->kc_st, a->kc_st,
+                   a->kbits, a->kgroup, a->ks + (bh * T + t0) * G, a->kz + (bh * T + t0) * G,
+                   a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
+                   a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J,
+                   framed ? a->cshift + b * a->cs_sb + h * D : 0, framed ? a->cscale + b * a->cs_sb + h * D : 0,
+                   framed ? a->rc + b * a->r_sb + t0 : 0, framed ? a->rs + b * a->r_sb + t0 : 0, T,
+                   a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc);
+}
+
 int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const uint8_t* kc, int64_t kc_sb, int64_t kc_sh, int64_t kc_st, int kbits, int kgroup,
                   const float* ks, const float* kz,
@@ -377,30 +427,11 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   int64_t r_sb, const uint8_t* valid, int chunks, int threads,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1) return 1;
-    const int G = D / kgroup, J = D / vgroup;
+    const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
+                                 vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, cshift, cscale, cs_sb, rc, rs, r_sb,
+                                 valid};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
-    const int tasks = B * H * chunks;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int task = 0; task < tasks; task++) {
-        const int64_t bh = task / chunks, b = bh / H, h = bh % H;
-        const int c = task % chunks, t0 = c * per, n = T - t0 < per ? T - t0 : per;
-        float* mx = cmx + (bh * chunks + c) * M;
-        float* sum = csum + (bh * chunks + c) * M;
-        float* acc = cacc + (bh * chunks + c) * M * D;
-        if (n <= 0) {
-            for (int m = 0; m < M; m++) mx[m] = NEG, sum[m] = 0.f;
-            memset(acc, 0, sizeof(float) * M * D);
-            continue;
-        }
-        const float* shift = cshift ? cshift + b * cs_sb + h * D : 0;
-        const float* scale = cshift ? cscale + b * cs_sb + h * D : 0;
-        const float* rcb = cshift ? rc + b * r_sb + t0 : 0;
-        const float* rsb = cshift ? rs + b * r_sb + t0 : 0;
-        token_dispatch(q + bh * M * D, M, D, n, kc + b * kc_sb + h * kc_sh + t0 * kc_st, kc_st, kbits, kgroup,
-                       ks + (bh * T + t0) * G, kz + (bh * T + t0) * G, vc + b * vc_sb + h * vc_sh + t0 * vc_st, vc_st,
-                       vbits, vgroup, vs + (bh * T + t0) * J, vz + (bh * T + t0) * J, shift, scale, rcb, rsb, T,
-                       valid ? valid + b * T + t0 : 0, work + (bh * T + t0) * M, mx, sum, acc);
-    }
+    run_tasks(B * H, H, M, D, T, per, chunks, threads, token_task, &a, work, cmx, csum, cacc);
     merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
 }
