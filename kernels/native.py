@@ -161,17 +161,15 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     segment's key basis) over the segment, as `from_codes.quant_partial_codes`; `key_valid` [B, T] boolean (one
     key mask for every row) or None. `chunks`: how many token chunks the work splits into (default: two tasks per
     thread where the tokens allow, one per row and head on one thread). Call only where `supports` says so."""
-    lib = library()
     b, h, m, d = q.shape
     t = seg.tokens
-    threads = torch.get_num_threads()
-    chunks = _chunks(t, b * h) if chunks is None else chunks
+    threads, chunks = _split(t, b * h, chunks)
     q = q.float().contiguous()
     kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
     ks, kz, vs, vz = (x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks)
-    rc = lib.quant_partial(
+    rc = library().quant_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.k_bits, seg.k_group, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.v_bits, seg.v_group, _ptr(vs), _ptr(vz), _ptr(valid), chunks, threads,
         _ptr(work), _ptr(cmx), _ptr(csum), _ptr(cacc), _ptr(mx), _ptr(total), _ptr(acc),
@@ -210,9 +208,13 @@ def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
     return work, chunk, (torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d))
 
 
-def _chunks(t: int, rows: int) -> int:
+def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
+    """(threads, token chunks) of a call over `t` tokens and `rows` (batch row, head) pairs: by default two tasks per
+    thread where the tokens allow, one per row and head on one thread."""
     threads = torch.get_num_threads()
-    return 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // rows)))
+    if chunks is None:
+        chunks = 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // rows)))
+    return threads, chunks
 
 
 _last_angles = threading.local()  # (rope, positions, cos, sin) of the last call: every layer of a step shares them
@@ -235,11 +237,9 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
     """`quant_partial_native` for a `TokenSegment`: the softmax partial of grouped, scaled queries `q` [B, H, M, D]
     over its per-token codes, pre-RoPE keys rotated back tile by tile (the angles folded with the RoPE's attention
     scaling). Call only where `supports_tokens` says so."""
-    lib = library()
     b, h, m, d = q.shape
     t = seg.tokens
-    threads = torch.get_num_threads()
-    chunks = _chunks(t, b * h) if chunks is None else chunks
+    threads, chunks = _split(t, b * h, chunks)
     q = q.float().contiguous()
     kc, vc = _bytes_strides(seg.keys.codes), _bytes_strides(seg.values.codes)
     (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
@@ -254,7 +254,7 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         r_sb = (d // 2) * t if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T]
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks)
-    rc = lib.token_partial(
+    rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
         _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), chunks, threads,

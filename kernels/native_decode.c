@@ -154,18 +154,25 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
             }
 }
 
-/* One task: the partial of rows q[M, D] over n tokens (pointers already at the chunk's first token). */
-INLINE void chunk_partial(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
-                          int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st,
-                          int vbits, int vgroup, const float* vs, const float* vz, const uint8_t* valid,
-                          float* s, float* mx, float* sum, float* acc, const int TG) {
-    scores(q, M, D, kc, kc_st, kbits, kgroup, ks, kz, n, s, TG);
+/* Scores s[M, n] -> the chunk's partial: masked keys (valid[t] == 0) score NEG, softmax per row, then the values. */
+INLINE void scores_to_partial(float* s, int M, const int D, int n, const uint8_t* valid, const uint8_t* vc,
+                              int64_t vc_st, int vbits, int vgroup, const float* vs, const float* vz, float* mx,
+                              float* sum, float* acc) {
     if (valid)
         for (int t = 0; t < n; t++)
             if (!valid[t])
                 for (int m = 0; m < M; m++) s[(int64_t)m * n + t] = NEG;
     softmax_rows(s, M, n, mx, sum);
     values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, n, acc);
+}
+
+/* One task: the partial of rows q[M, D] over n tokens (pointers already at the chunk's first token). */
+INLINE void chunk_partial(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
+                          int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st,
+                          int vbits, int vgroup, const float* vs, const float* vz, const uint8_t* valid,
+                          float* s, float* mx, float* sum, float* acc, const int TG) {
+    scores(q, M, D, kc, kc_st, kbits, kgroup, ks, kz, n, s, TG);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, mx, sum, acc);
 }
 
 #define VARIANT(DD, TT)                                                                                          \
@@ -361,12 +368,7 @@ INLINE void token_chunk(const float* q, int M, const int D, int n, const uint8_t
                         const float* rc, const float* rs, int64_t r_st, const uint8_t* valid, float* s, float* mx,
                         float* sum, float* acc) {
     token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, cshift, cscale, rc, rs, r_st, s);
-    if (valid)
-        for (int t = 0; t < n; t++)
-            if (!valid[t])
-                for (int m = 0; m < M; m++) s[(int64_t)m * n + t] = NEG;
-    softmax_rows(s, M, n, mx, sum);
-    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, n, acc);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, mx, sum, acc);
 }
 
 #define TOKEN_VARIANT(DD, KB)                                                                                    \
