@@ -2,10 +2,11 @@
 
 Caches (`--caches`; default DynamicCache, transformers' QuantizedCache quanto 2-bit when optimum-quanto is installed,
 and the tiered defaults) each prefill `--tokens` tokens of the text in chunks of `--chunk` (512). A cache the fused
-attention reads in place (`reads_fused`: tiered, KIVI) runs twice: through the dequantize path (`sdpa`: the layer
+attention reads in place (`reads_fused`: tiered, KIVI, int8 / int4) runs twice: through the dequantize path (`sdpa`: the layer
 expands its past every step) and through the fused attention (`hf_kvcache`); on the CPU, where the compiled kernel
 (`kernels/native.py`) is available, a third time through the fused attention's torch path. Then `--decode-steps`
-(64) single-token steps are timed on the following tokens, the variants taking turns every 8 steps so that a slow
+(64) single-token steps are timed (an evicting cache, `needs_attention_mass`, under the `hf_kvcache` attention that
+reports what it ranks tokens by) on the following tokens, the variants taking turns every 8 steps so that a slow
 spell of the machine hits every variant alike. Every variant runs in this one process; fp16 on CUDA, fp32 on the CPU.
 
 Rows: `decode_tokens_per_s` (steps / their total time, so the steps that move groups between tiers count),
@@ -54,23 +55,27 @@ class Variant:
     attn: str  # the attention implementation the model runs
     spec: CacheSpec
     native: bool = True  # False: the fused attention keeps its torch path (`native.turned_off`)
+    fused: bool = False  # the cache is bound to the model: the fused attention reads its codes in place
 
     def running(self):
         return contextlib.nullcontext() if self.native else native.turned_off()
 
 
 def variants(model, specs: list[CacheSpec], device: str = "cpu") -> list[Variant]:
-    """Every cache through sdpa; fused-readable ones also fused (on the CPU with the compiled kernel, and through the
-    torch path too where that kernel is available)."""
+    """Every cache through sdpa (evicting caches through the "hf_kvcache" attention, which reports what they rank by);
+    fused-readable ones also fused (on the CPU with the compiled kernel, and through the torch path too where that
+    kernel is available)."""
     out = []
     for spec in specs:
-        if getattr(spec.build(model), "reads_fused", False):
+        cache = spec.build(model)
+        if getattr(cache, "reads_fused", False):
             out += [Variant(f"{spec.label}, dequantize + SDPA", "sdpa", spec),
-                    Variant(f"{spec.label}, fused (hf_kvcache)", "hf_kvcache", spec)]
+                    Variant(f"{spec.label}, fused (hf_kvcache)", "hf_kvcache", spec, fused=True)]
             if device == "cpu" and native.available()[0]:
-                out.append(Variant(f"{spec.label}, fused, torch path", "hf_kvcache", spec, native=False))
-        else:
-            out.append(Variant(spec.label, "sdpa", spec))
+                out.append(Variant(f"{spec.label}, fused, torch path", "hf_kvcache", spec, native=False, fused=True))
+        else:  # a cache that ranks tokens by the attention they receive runs the attention that reports it
+            out.append(Variant(spec.label, "hf_kvcache" if getattr(cache, "needs_attention_mass", False) else "sdpa",
+                               spec))
     return out
 
 
@@ -83,7 +88,7 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
     for v in chosen:
         model.set_attn_implementation(v.attn)
         caches[v.label] = v.spec.build(model)
-        if v.attn == "hf_kvcache":  # read in place while the model runs that attention (what generate sets up)
+        if v.fused:  # read in place while the model runs that attention (what generate sets up)
             caches[v.label].bind(model)
         with v.running():
             for s in range(0, context, chunk):
@@ -136,8 +141,8 @@ def run(opts: SuiteOptions) -> list[Row]:
     rows = [make_row("decode", v.label, opts.model, context, **results[v.label]) for v in chosen]
     for row, v in zip(rows, chosen):
         row["vs_first"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
-        if v.attn == "hf_kvcache":
-            deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and w.attn == "sdpa")
+        if v.fused:
+            deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and not w.fused)
             row["vs_dequantize"] = row["decode_tokens_per_s"] / deq["decode_tokens_per_s"]
             if not ids.is_cuda:
                 row["scratch_mb"] = scratch_bytes() / 2**20
