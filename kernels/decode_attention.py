@@ -6,8 +6,9 @@ with log-sum-exp, so every byte of the cache is read once. GQA: the query heads 
 positions) form the rows of one tile, so KV is never repeated. On CUDA quantized segments run in a Triton kernel
 (split along tokens, flash-decoding style); elsewhere in the torch path of `kernels.from_codes`, which computes
 scores and outputs from the codes with the scales folded in, `block` tokens at a time in reusable scratch (extra memory
-O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in the compiled
-CPU kernel (`native`) where it serves, and are otherwise decoded into the full-precision partial (as is every one
+O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in their Triton
+kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
+decoded into the full-precision partial (as is every one
 when the attention mass is asked for). Every full-precision piece (tail, new tokens, overlays) makes one more partial.
 Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
 and the overlay attends in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are
@@ -106,11 +107,19 @@ def decode_attention(
             key_valid = None if cmask is None else cmask[:, 0, -1, :].expand(b, -1)
             # the torch path masks per query row (a sliding window hides old keys from the later rows of a chunk)
             seg_mask = rows_mask(cmask, group) if cmask is not None and cmask.shape[2] > 1 else cmask
-        if isinstance(seg, TokenSegment):  # the native kernel where it serves, else decoded into the dense partial
-            if (not use_triton and use_native is not False and not return_mass and _one_key_mask(seg_mask)
-                    and native.supports_tokens(q, seg)):
-                partials.append(native.token_partial_native(q, seg, key_valid))
-            else:
+        if isinstance(seg, TokenSegment):  # a kernel where one serves, else decoded into the dense partial
+            kernel = not return_mass and _one_key_mask(seg_mask)
+            if kernel and use_triton:
+                from .triton_tokens import supports_tokens, token_partial_triton
+
+                kernel = supports_tokens(q, seg)
+                if kernel:
+                    partials.append(token_partial_triton(q, seg, key_valid))
+            elif kernel:
+                kernel = use_native is not False and native.supports_tokens(q, seg)
+                if kernel:
+                    partials.append(native.token_partial_native(q, seg, key_valid))
+            if not kernel:
                 dense.append((FullSegment(*seg.dequantize(torch.float32)), start, cmask))
         elif isinstance(seg, QuantSegment):
             seg.check()

@@ -54,6 +54,42 @@ def _scores(q, k, DOT_F32: tl.constexpr):
 
 
 @triton.jit
+def _program(q_ptr, kv_heads, M_PAD: tl.constexpr, D: tl.constexpr):
+    """This program's (batch * kv_head, token split, splits, batch row, row and channel ranges, its queries)."""
+    bh = tl.program_id(0)
+    rows = tl.arange(0, M_PAD)
+    cols = tl.arange(0, D)
+    q = tl.load(q_ptr + bh * M_PAD * D + rows[:, None] * D + cols[None, :])
+    return bh, tl.program_id(1), tl.num_programs(1), bh // kv_heads, rows, cols, q
+
+
+@triton.jit
+def _online_step(m_i, l_i, acc, s, v, valid, DOT_F32: tl.constexpr):
+    """One tile of flash-decoding: scores `s [M_PAD, BLOCK]` (keys where `valid`), values `v [BLOCK, D]` folded into
+    the running row max, row sum and unnormalized output."""
+    s = tl.where(valid[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(s - m_safe[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_F32:
+        pv = tl.dot(p, v, input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _store_partial(m_ptr, l_ptr, acc_ptr, m_i, l_i, acc, bh, split, n_split, rows, cols, M_PAD: tl.constexpr,
+                   D: tl.constexpr):
+    out = (bh * n_split + split) * M_PAD + rows
+    tl.store(m_ptr + out, m_i)
+    tl.store(l_ptr + out, l_i)
+    tl.store(acc_ptr + out[:, None] * D + cols[None, :], acc)
+
+
+@triton.jit
 def _quant_attn_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, valid_ptr, m_ptr, l_ptr, acc_ptr,
     n_tok, kv_heads, tokens_per_split, kc_row, vc_row,
@@ -61,13 +97,7 @@ def _quant_attn_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
     DOT_F32: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    n_split = tl.num_programs(1)
-    b = bh // kv_heads
-    rows = tl.arange(0, M_PAD)
-    cols = tl.arange(0, D)
-    q = tl.load(q_ptr + bh * M_PAD * D + rows[:, None] * D + cols[None, :])
+    bh, split, n_split, b, rows, cols, q = _program(q_ptr, kv_heads, M_PAD, D)
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
@@ -88,27 +118,13 @@ def _quant_attn_kernel(
         valid = tmask
         if HAS_VALID:
             valid = valid & (tl.load(valid_ptr + b * n_tok + t, mask=tmask, other=0) != 0)
-        s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
         vcodes = _unpack(vc, t[:, None] * vc_row, cols[None, :], tmask[:, None], V_BITS)
         v_off = t[:, None] * NVG + (cols // V_GROUP)[None, :]
         v_scale = tl.load(vs + v_off, mask=tmask[:, None], other=0.0).to(tl.float32)
         v_zero = tl.load(vz + v_off, mask=tmask[:, None], other=0.0).to(tl.float32)
         v = tl.where(tmask[:, None], vcodes.to(tl.float32) * v_scale + v_zero, 0.0)
-        if DOT_F32:
-            pv = tl.dot(p, v, input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
-    out = (bh * n_split + split) * M_PAD + rows
-    tl.store(m_ptr + out, m_i)
-    tl.store(l_ptr + out, l_i)
-    tl.store(acc_ptr + out[:, None] * D + cols[None, :], acc)
+        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, valid, DOT_F32)
+    _store_partial(m_ptr, l_ptr, acc_ptr, m_i, l_i, acc, bh, split, n_split, rows, cols, M_PAD, D)
 
 
 @triton.jit
@@ -140,13 +156,21 @@ def _quant_mass_kernel(
     tl.store(mass_ptr + bh * n_tok + t, tl.sum(p, 0), mask=tmask)
 
 
+def padded_rows(q: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Queries `[B, Hkv, M, D]` as float32 `[B Hkv, M_PAD, D]`, the rows padded with zeros to a power of two >= 16
+    (what `tl.dot` takes), and M_PAD."""
+    b, h, m, d = q.shape
+    m_pad = max(16, triton.next_power_of_2(m))
+    qp = torch.zeros(b * h, m_pad, d, device=q.device, dtype=torch.float32)
+    qp[:, :m] = q.reshape(b * h, m, d)
+    return qp, m_pad
+
+
 def _launch_args(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None):
     b, h, m, d = q.shape
     if d not in (16, 32, 64, 128, 256):
         raise ValueError(f"the Triton decode kernel needs head_dim a power of two in 16..256, got {d}")
-    m_pad = max(16, triton.next_power_of_2(m))
-    qp = torch.zeros(b * h, m_pad, d, device=q.device, dtype=torch.float32)
-    qp[:, :m] = q.reshape(b * h, m, d)
+    qp, m_pad = padded_rows(q)
     parts = [t.contiguous() for t in (seg.k_codes, seg.k_scale, seg.k_zero, seg.v_codes, seg.v_scale, seg.v_zero)]
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else parts[0]
     dot_f32 = interpreting() or q.dtype == torch.float32
@@ -158,18 +182,32 @@ def quant_partial_triton(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     b, h, m, d = q.shape
     n_tok = seg.tokens
     qp, parts, valid, m_pad, dot_f32 = _launch_args(q, seg, key_valid)
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    n_split = max(1, min(triton.cdiv(n_tok, BLOCK_T), triton.cdiv(2 * sms, b * h)))
-    per_split = triton.cdiv(triton.cdiv(n_tok, n_split), BLOCK_T) * BLOCK_T
-    n_split = triton.cdiv(n_tok, per_split)
-    m_out = torch.empty(b * h, n_split, m_pad, device=q.device, dtype=torch.float32)
-    l_out = torch.empty_like(m_out)
-    acc_out = torch.empty(b * h, n_split, m_pad, d, device=q.device, dtype=torch.float32)
+    n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad)
     _quant_attn_kernel[(b * h, n_split)](
         qp, *parts, valid, m_out, l_out, acc_out, n_tok, h, per_split, parts[0].shape[-1], parts[3].shape[-1],
         HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, BLOCK=BLOCK_T, K_BITS=seg.k_bits, V_BITS=seg.v_bits,
         K_GROUP=seg.k_group, V_GROUP=seg.v_group, DOT_F32=dot_f32,
     )
+    return merge_splits(m_out, l_out, acc_out, q.shape)
+
+
+def split_plan(q: torch.Tensor, n_tok: int, m_pad: int):
+    """(splits, tokens per split, the per-split outputs m, l `[B Hkv, splits, M_PAD]` and acc `[..., D]`) for a
+    launch over `n_tok` tokens: enough programs to fill the GPU twice, whole tiles per split."""
+    b, h, _, d = q.shape
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    n_split = max(1, min(triton.cdiv(n_tok, BLOCK_T), triton.cdiv(2 * sms, b * h)))
+    per_split = triton.cdiv(triton.cdiv(n_tok, n_split), BLOCK_T) * BLOCK_T
+    n_split = triton.cdiv(n_tok, per_split)
+    m_out = torch.empty(b * h, n_split, m_pad, device=q.device, dtype=torch.float32)
+    acc_out = torch.empty(b * h, n_split, m_pad, d, device=q.device, dtype=torch.float32)
+    return n_split, per_split, (m_out, torch.empty_like(m_out), acc_out)
+
+
+def merge_splits(m_out: torch.Tensor, l_out: torch.Tensor, acc_out: torch.Tensor, q_shape):
+    """The per-split partials merged by log-sum-exp into (m, l, acc) of the real rows of queries `q_shape`."""
+    b, h, m, d = q_shape
+    m_pad = m_out.shape[-1]
     mx = m_out.amax(1)
     safe = torch.where(torch.isinf(mx), torch.zeros_like(mx), mx)
     w = torch.exp(m_out - safe.unsqueeze(1))

@@ -125,7 +125,7 @@ def test_kernels_compile_for_hopper():
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 8 kernel variants for sm_90" in proc.stdout
+    assert "compiled 9 kernel variants for sm_90" in proc.stdout
 
 
 @each_path
@@ -396,18 +396,23 @@ def test_native_token_partial_matches_dequantized_keys(d, dtype, group_size, sym
     torch.testing.assert_close(got_lse, ref_lse, atol=3e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("path", ["torch", "native"])
+@each_path
 @pytest.mark.parametrize("return_mass", [False, True])
-def test_decode_attention_over_a_token_segment(path, return_mass):
-    """A per-token segment plus the new token, with left padding: the native kernel (where it serves; the mass is
-    always computed from the decoded keys) and the decoded fallback both match the reference."""
-    seg = token_segment(2, 2, 150, 64, "int4", prerope=True, pad=(0, 30), seed=5)
-    tail = FullSegment(torch.randn(2, 2, 1, 64), torch.randn(2, 2, 1, 64))
-    q = torch.randn(2, 6, 1, 64)
+@pytest.mark.parametrize("dtype,group_size,symmetric,prerope",
+                         [("int4", None, None, True), ("int8", 16, False, True), ("int4", 16, False, False)])
+def test_decode_attention_over_a_token_segment(path, return_mass, dtype, group_size, symmetric, prerope):
+    """A per-token segment (keys pre-RoPE or as they come) plus the new token, with left padding (each row at its own
+    positions): the Triton and native kernels (where they serve; the mass is always computed from the decoded keys)
+    and the decoded fallback all match the reference."""
+    seg = token_segment(2, 2, 150, 64, dtype, group_size, symmetric, prerope=prerope, pad=(0, 30), seed=5)
+    g = torch.Generator().manual_seed(0)
+    tail = FullSegment(torch.randn(2, 2, 1, 64, generator=g), torch.randn(2, 2, 1, 64, generator=g))
+    q = torch.randn(2, 6, 1, 64, generator=g)
     mask = left_padded_mask(2, 1, 151, (0, 30))
     ref, ref_mass = reference_attention(q, [seg, tail], mask)
     out, mass = decode_attention(q, [seg, tail], mask, return_mass=return_mass, **kernel(path))
-    torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
+    # measured up to 1.4e-6 (native, -ffast-math), 4.8e-7 (Triton, interpreted), 5.7e-7 (decoded)
+    torch.testing.assert_close(out, ref, atol=3e-6, rtol=1e-5)
     if return_mass:
         torch.testing.assert_close(mass, ref_mass, atol=4e-6, rtol=1e-5)
 
