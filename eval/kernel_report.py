@@ -11,7 +11,7 @@ cubin with Triton's bundled `cuobjdump -res-usage` (a CompiledKernel only gets `
 it). Compiles run in worker processes with TRITON_INTERPRET removed from their environment (the interpreter does not
 compile), so the report also runs from a process where it is set (the tests).
 
-Variants (read off the launch sites, `kernels/triton_decode.py` and `kernels/kivi_pack.py`):
+Variants (read off the launch sites, `kernels/triton_decode.py`, `kernels/triton_tokens.py` and `kernels/kivi_pack.py`):
 - `_quant_attn_kernel`: one launch per quantized segment of every fused attention call on CUDA
   (`decode_attention` -> `quant_partial_triton`). D = head_dim; (K_BITS = V_BITS, K_GROUP) = (bits, group) of a tier:
   tiered archive (2, 64), tiered warm (4, 32), KIVI (2, 32), and the other widths the options allow;
@@ -22,6 +22,8 @@ Variants (read off the launch sites, `kernels/triton_decode.py` and `kernels/kiv
   takes DOT_F32=True (the ieee fp32 dot); `--fp16-dot` adds the DOT_F32=False (fp16 MMA) variants for comparison.
   The model's fp16/bf16 does not reach this kernel's signature (q is fp32, scales fp16, codes u8).
 - `_quant_mass_kernel`: the per-key attention mass (`decode_attention(return_mass=True)`), same constexprs less V_*.
+- `_token_attn_kernel`: the uniform caches' per-token codes (`token_partial_triton`): int4 g32 / int8 per head,
+  symmetric, keys pre-RoPE or as they come, HAS_VALID both ways, M_PAD = 16, DOT_F32 = True.
 - `_keys_kernel` / `_values_kernel`: fused KIVI quantize + pack (`kivi_quantize_keys/values` on CUDA tensors), for
   x in fp16 and bf16; keys GROUP = tokens per group, values GROUP = min(group, D) channels, BLOCK_R = 16.
 Pointer arguments are compiled as 16-byte aligned and the integer arguments that are multiples of 16 at every real
@@ -122,7 +124,9 @@ HEAD_DIMS = (64, 128, 256)
 BITS = (2, 4, 8)
 GROUPS = (32, 64)  # tokens per key group: 32 = tiered warm tier and KIVI, 64 = tiered archive
 DTYPES = ("fp16", "bf16")
-KERNELS = ("_quant_attn_kernel", "_quant_mass_kernel", "_keys_kernel", "_values_kernel")
+KERNELS = ("_quant_attn_kernel", "_quant_mass_kernel", "_token_attn_kernel", "_keys_kernel", "_values_kernel")
+# the uniform caches' per-token formats the token kernel reads: (bits, channels per scale (None: the head), zeros)
+TOKEN_FORMATS = ((4, 32, False), (8, None, False))
 TIER_OF = {(2, 64): "tiered archive", (4, 32): "tiered warm", (2, 32): "KIVI-2"}
 
 
@@ -185,6 +189,31 @@ def decode_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, m_pads=(16,),
     return out
 
 
+def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
+    """`_token_attn_kernel` (`decode_attention` -> `token_partial_triton`, the uniform caches on CUDA): int4 / int8 at
+    their default groups (symmetric: no zeros), keys pre-RoPE (the default) or as they come, with and without a
+    validity mask; queries fp32 (DOT_F32=True), M_PAD 16."""
+    if "_token_attn_kernel" not in kernels:
+        return []
+    out = []
+    for d in head_dims:
+        for bits, group, zeros in TOKEN_FORMATS:
+            for prerope in (True, False):
+                for has_valid in (False, True):
+                    sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, vc_ptr=P8, vs_ptr=P16, vz_ptr=P16,
+                               shift_ptr=P32, cscale_ptr=P32, pos_ptr="*i32" if prerope else P32, freq_ptr=P32,
+                               valid_ptr=I8 if has_valid else P8, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
+                               kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32, stats_batched=I32,
+                               pos_batched=I32, rope_scaling="fp32")
+                    c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=BLOCK_T, K_BITS=bits,
+                             V_BITS=bits, K_GROUP=group or d, V_GROUP=group or d, K_ZERO=zeros, V_ZERO=zeros,
+                             DOT_F32=True)
+                    use = f"int{bits}, keys {'pre-RoPE' if prerope else 'as they come'}, decode"
+                    out.append(Variant("triton_tokens", "_token_attn_kernel", tuple(sig.items()), tuple(c.items()),
+                                       _ptrs(sig) + ("tokens_per_split",), use))
+    return out
+
+
 def pack_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, kernels=KERNELS) -> list[Variant]:
     out = []
     for d in head_dims:
@@ -208,7 +237,7 @@ def pack_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, 
 
 def all_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, m_pads=(16,), fp16_dot=False,
                  kernels=KERNELS) -> list[Variant]:
-    return (decode_variants(head_dims, bits, groups, m_pads, fp16_dot, kernels)
+    return (decode_variants(head_dims, bits, groups, m_pads, fp16_dot, kernels) + token_variants(head_dims, kernels)
             + pack_variants(head_dims, bits, groups, dtypes, kernels))
 
 
@@ -217,7 +246,8 @@ def quick_variants() -> list[Variant]:
     head_dim 64, the warm tier's pack kernels from fp16."""
     dec = decode_variants(head_dims=(64,), bits=(2,), groups=(64,))
     pack = pack_variants(head_dims=(64,), bits=(4,), groups=(32,), dtypes=("fp16",))
-    return [v for v in dec if v.params["HAS_VALID"]] + pack
+    tokens = token_variants(head_dims=(64,))
+    return [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + pack
 
 
 # ---- compiling ------------------------------------------------------------------------------------------------------
@@ -525,7 +555,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=_csv(int), default=BITS, help="code widths (default 2,4,8)")
     p.add_argument("--groups", type=_csv(int), default=GROUPS, help="tokens per key group (default 32,64)")
     p.add_argument("--dtypes", type=_csv(str), default=DTYPES, help="input dtypes of the pack kernels (fp16,bf16)")
-    p.add_argument("--kernels", type=_csv(str), default=KERNELS, help="which kernels (default: all four)")
+    p.add_argument("--kernels", type=_csv(str), default=KERNELS, help="which kernels (default: all five)")
     p.add_argument("--m-pad", type=_csv(int), default=(16,),
                    help="query rows per tile of the decode kernels (16: decode; more: multi-token queries, slow)")
     p.add_argument("--fp16-dot", action="store_true",
