@@ -8,9 +8,8 @@ positions) form the rows of one tile, so KV is never repeated. On CUDA quantized
 scores and outputs from the codes with the scales folded in, `block` tokens at a time in reusable scratch (extra memory
 O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in their Triton
 kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
-decoded into the full-precision partial (as is every one
-when the attention mass is asked for). Every full-precision piece (tail, new tokens, overlays) makes one more partial.
-Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
+decoded into the full-precision partial (as is every one when the attention mass is asked for). Every full-precision
+piece (tail, new tokens, overlays) makes one more partial. Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
 and the overlay attends in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are
 tested against.
 """

@@ -89,16 +89,15 @@ def quantize(
 
 def dequantize(q: QuantizedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Rebuild the tensor `q` was made from (up to quantization error)."""
-    if q.fmt in FP8_DTYPES:
+    if q.fmt in FP8_DTYPES:  # either way a fresh float32 tensor, worked on in place
         vals = q.codes.float()
-    else:  # a fresh float32 tensor, worked on in place
+    else:
         vals, shifted = unpack_lanes(q.codes, q.bits, q.n)
         if shifted:  # lane d holds code * 2**k: an exact power-of-two factor
             vals.mul_(lane_factors(q.bits, q.n, vals.device))
         if q.zero is None:
             vals.sub_(2 ** (q.bits - 1) - 1)
-    g = _grouped(vals, q.group_size)
-    g = g.mul_(q.scale.float().unsqueeze(-1)) if q.fmt not in FP8_DTYPES else g * q.scale.float().unsqueeze(-1)
+    g = _grouped(vals, q.group_size).mul_(q.scale.float().unsqueeze(-1))
     if q.zero is not None:
         g.add_(q.zero.float().unsqueeze(-1))
     return g.reshape(*vals.shape[:-1], q.n).to(dtype)
