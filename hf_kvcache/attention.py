@@ -287,11 +287,16 @@ def hf_kvcache_attention(
         raise ValueError("the hf_kvcache attention does not support `softcap`; use eager or flex attention")
     special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None or kwargs.get("s_aux") is not None
     if special:
-        if layer_of(key) is not None and getattr(layer_of(key), "wants_attention_mass", False):
+        layer = layer_of(key)
+        if layer is not None and getattr(layer, "wants_attention_mass", False):
             raise NotImplementedError(
                 "the hf_kvcache attention cannot report attention mass together with position_bias / paged caches / "
                 "attention sinks (s_aux)"
             )
+        view = getattr(layer, "fused_view", None) if layer is not None else None
+        if view is not None:  # a layer read in place handed placeholders: attend to its decoded tensors instead
+            layer.fused_view = None
+            key, value = view.dense()
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
         )
@@ -311,6 +316,14 @@ def hf_kvcache_attention(
         call.layer.observe_visible_keys(visible_keys(call.mask, query.shape[0]))
         call.layer.observe_attention(mass)
     return out, None
+
+
+def unsupported(config) -> str | None:
+    """Why this attention cannot run a model of `config` at all (None when it can): attention logit soft-capping."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        return "attention logit soft-capping (attn_logit_softcapping)"
+    return None
 
 
 def register() -> None:

@@ -81,8 +81,10 @@ def _attention_for(model, cache) -> None:
     leases = model.__dict__.setdefault("_hf_kvcache_leases", [])
     if not (needs_mass or reads_fused) or any(lease.cache is cache for lease in leases):
         return  # nothing to change, or an outer `attached` / generate already holds this cache
-    from .attention import NAME, use_for_cache
+    from .attention import NAME, unsupported, use_for_cache
 
+    if not needs_mass and unsupported(model.config):
+        return  # reading codes in place is an optimization: such a model keeps its attention and dequantized tensors
     before = getattr(model.config, "_attn_implementation", None)
     if needs_mass:
         use_for_cache(model, cache)

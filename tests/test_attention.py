@@ -190,3 +190,54 @@ def test_model_logits_equal_sdpa(smol, moby_text):
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=0)
     torch.testing.assert_close(out_b[0], ref_b[0], atol=1e-4, rtol=0)
     torch.testing.assert_close(out_b[1, 8:], ref_b[1, 8:], atol=1e-4, rtol=0)
+
+
+def _generate(model, ids, cache=None, **kw):
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True, return_dict_in_generate=True,
+                         past_key_values=cache, **kw)
+    return out.sequences, torch.stack(out.logits)
+
+
+@torch.no_grad()
+def test_a_soft_capping_model_keeps_its_attention_with_a_cache_read_in_place():
+    """The hf_kvcache attention has no soft-capping: `generate` leaves such a model on its own attention with a cache
+    it would read in place (an optimization), which then hands over dequantized tensors as with any attention."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from hf_kvcache import UniformQuantCache
+
+    torch.manual_seed(0)
+    config = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=16,
+                          attn_logit_softcapping=50.0)
+    model = Gemma2ForCausalLM(config).eval()
+    before = model.config._attn_implementation
+    ids = torch.randint(0, 128, (1, 40))
+    fused_name = _generate(model, ids, cache_implementation="int4")
+    assert model.config._attn_implementation == before
+    plain = UniformQuantCache(config=model.config, dtype="int4")
+    plain.reads_fused = False
+    reference = _generate(model, ids, plain)
+    assert torch.equal(fused_name[0], reference[0]) and torch.equal(fused_name[1], reference[1])
+
+
+@torch.no_grad()
+def test_attention_sinks_read_a_bound_cache_through_its_decoded_tensors():
+    """gpt-oss passes attention sinks (`s_aux`), which only SDPA takes: a cache read in place then hands that call
+    its decoded tensors (before, SDPA read the placeholders and raised); the logits equal an unbound cache's."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    from hf_kvcache import UniformQuantCache
+
+    torch.manual_seed(0)
+    config = GptOssConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=64, sliding_window=16,
+                          num_local_experts=2, num_experts_per_tok=1)
+    model = GptOssForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (1, 40))
+    bound = _generate(model, ids, cache_implementation="int4")  # generate binds it and switches the attention
+    model.set_attn_implementation("hf_kvcache")
+    plain = UniformQuantCache(config=model.config, dtype="int4")
+    plain.reads_fused = False
+    reference = _generate(model, ids, plain)
+    assert torch.equal(bound[0], reference[0]) and torch.equal(bound[1], reference[1])
