@@ -296,7 +296,7 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
    Keys are codes per token in groups of `kgroup` channels (k = code * ks[t, g] + kz[t, g]; a symmetric format passes
    kz = -offset * ks), packed as the values are. With a pre-RoPE frame (cshift != NULL) the codes hold normalized
    pre-RoPE keys: the key is then R(t) (k * cscale + cshift), R(t) the rotation of rotate_half RoPE by the angles
-   whose cos / sin are rc[t, j], rs[t, j] (j < D / 2). Each tile of tokens is decoded into a small float buffer once
+   whose cos / sin are rc[j, t], rs[j, t] (j < D / 2). Each tile of tokens is decoded into a small float buffer once
    and read by every query row of the KV head. */
 
 /* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of per-token key codes kc (row stride kc_st bytes), scales
