@@ -29,6 +29,7 @@ import torch
 
 from .blockwise import scratch
 from .segments import QuantSegment, TokenSegment
+from hf_kvcache.quant.uniform import FP8_DTYPES
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ def _compile() -> ctypes.CDLL:
     lib.native_supports.argtypes = [i] * 6
     lib.token_partial.restype = i
     lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
-                                  p, p, i64, p, p, i64, p, i, i, p, p, p, p, p, p, p]
+                                  p, p, i64, p, p, i64, p, p, p, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
     return lib
@@ -182,9 +183,9 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
 
 def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
     """Whether `token_partial_native` takes these grouped queries [B, H, M, D] over this per-token segment (CPU,
-    integer codes of 2, 4 or 8 bits, M <= 16 rows, head_dim 64 / 128 / 256 for keys and values alike)."""
+    integer codes of 2, 4 or 8 bits or fp8 codes, M <= 16 rows, head_dim 64 / 128 / 256 for keys and values alike)."""
     k, v = seg.keys, seg.values
-    if q.device.type != "cpu" or k.codes.device.type != "cpu" or k.fmt != "int" or v.fmt != "int":
+    if q.device.type != "cpu" or k.codes.device.type != "cpu":
         return False
     if k.n != q.shape[3] or v.n != q.shape[3]:
         return False
@@ -194,10 +195,25 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
 
 
 def _scale_zero(x) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 scale and zero of integer codes: a symmetric format's offset code becomes a zero of -offset * scale."""
+    """float32 scale and zero of codes: a symmetric integer format's offset code becomes a zero of -offset * scale;
+    fp8 codes have none."""
     scale = x.scale.float().contiguous()
-    zero = x.zero.float().contiguous() if x.zero is not None else scale * -(2 ** (x.bits - 1) - 1)
-    return scale, zero
+    if x.zero is not None:
+        return scale, x.zero.float().contiguous()
+    return scale, scale * (0.0 if x.fmt in FP8_DTYPES else -(2 ** (x.bits - 1) - 1))
+
+
+_FP8_TABLES: dict[str, torch.Tensor] = {}
+
+
+def _codes_and_table(x) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The codes as bytes (row-contiguous) and, for fp8, the float32 value of each of the 256 codes."""
+    if x.fmt not in FP8_DTYPES:
+        return _bytes_strides(x.codes), None
+    table = _FP8_TABLES.get(x.fmt)
+    if table is None:
+        table = _FP8_TABLES[x.fmt] = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPES[x.fmt]).float()
+    return _bytes_strides(x.codes.view(torch.uint8)), table
 
 
 def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
@@ -235,13 +251,13 @@ def _angles(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
                          chunks: int | None = None):
     """`quant_partial_native` for a `TokenSegment`: the softmax partial of grouped, scaled queries `q` [B, H, M, D]
-    over its per-token codes, pre-RoPE keys rotated back tile by tile (the angles folded with the RoPE's attention
-    scaling). Call only where `supports_tokens` says so."""
+    over its per-token codes (fp8 codes read through a table of their values), pre-RoPE keys rotated back tile by tile
+    (the angles folded with the RoPE's attention scaling). Call only where `supports_tokens` says so."""
     b, h, m, d = q.shape
     t = seg.tokens
     threads, chunks = _split(t, b * h, chunks)
     q = q.float().contiguous()
-    kc, vc = _bytes_strides(seg.keys.codes), _bytes_strides(seg.values.codes)
+    (kc, klut), (vc, vlut) = _codes_and_table(seg.keys), _codes_and_table(seg.values)
     (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
     shift = scale = cos = sin = None
     cs_sb = r_sb = 0
@@ -257,7 +273,8 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
     rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
-        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), chunks, threads,
+        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), _ptr(klut), _ptr(vlut), chunks,
+        threads,
         _ptr(work), _ptr(cmx), _ptr(csum), _ptr(cacc), _ptr(mx), _ptr(total), _ptr(acc),
     )
     if rc:

@@ -105,7 +105,7 @@ INLINE void unpack_scaled(const uint8_t* row, const float* sj, float* c, const i
 /* out[m, d] = sum_t p[m * n + t] v[t, d] from value codes vc (row stride vc_st), scales and zeros vs, vz [n, J].
    Codes unpack lane by lane: lane l of byte j is channel j * vper + l, held at i = l * vpb + j. */
 INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
-                   const float* vs, const float* vz, int n, float* out) {
+                   const float* vs, const float* vz, const float* lut, int n, float* out) {
     const int vper = 8 / vbits, vpb = D / vper, J = D / vgroup;
     float acc[MAXM * MAXD] __attribute__((aligned(64)));
     float accz[MAXM * MAXD];
@@ -122,6 +122,10 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
             float sj[MAXD] __attribute__((aligned(64)));
             for (int j = 0; j < vpb; j++) sj[j] = sc[grp[j]];
             float* c = cw + tt * D;
+            if (lut) {  /* 8-bit float codes: their value from the table */
+                for (int j = 0; j < vpb; j++) c[j] = lut[row[j]] * sj[j];
+                continue;
+            }
             switch (vbits) {  /* the width as a constant, so that the loops unroll into whole vectors */
                 case 2: unpack_scaled(row, sj, c, D, 2); break;
                 case 4: unpack_scaled(row, sj, c, D, 4); break;
@@ -156,14 +160,14 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
 
 /* Scores s[M, n] -> the chunk's partial: masked keys (valid[t] == 0) score NEG, softmax per row, then the values. */
 INLINE void scores_to_partial(float* s, int M, const int D, int n, const uint8_t* valid, const uint8_t* vc,
-                              int64_t vc_st, int vbits, int vgroup, const float* vs, const float* vz, float* mx,
-                              float* sum, float* acc) {
+                              int64_t vc_st, int vbits, int vgroup, const float* vs, const float* vz, const float* lut,
+                              float* mx, float* sum, float* acc) {
     if (valid)
         for (int t = 0; t < n; t++)
             if (!valid[t])
                 for (int m = 0; m < M; m++) s[(int64_t)m * n + t] = NEG;
     softmax_rows(s, M, n, mx, sum);
-    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, n, acc);
+    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, lut, n, acc);
 }
 
 /* One task: the partial of rows q[M, D] over n tokens (pointers already at the chunk's first token). */
@@ -172,7 +176,7 @@ INLINE void chunk_partial(const float* q, int M, const int D, int n, const uint8
                           int vbits, int vgroup, const float* vs, const float* vz, const uint8_t* valid,
                           float* s, float* mx, float* sum, float* acc, const int TG) {
     scores(q, M, D, kc, kc_st, kbits, kgroup, ks, kz, n, s, TG);
-    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, mx, sum, acc);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, 0, mx, sum, acc);
 }
 
 #define VARIANT(DD, TT)                                                                                          \
@@ -294,7 +298,8 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
 /* ---- per-token key codes (the uniform cache's format) ------------------------------------------------------------
 
    Keys are codes per token in groups of `kgroup` channels (k = code * ks[t, g] + kz[t, g]; a symmetric format passes
-   kz = -offset * ks), packed as the values are. With a pre-RoPE frame (cshift != NULL) the codes hold normalized
+   kz = -offset * ks), packed as the values are; 8-bit float codes (fp8) pass a table of their 256 values (klut,
+   vlut), read in place of the code. With a pre-RoPE frame (cshift != NULL) the codes hold normalized
    pre-RoPE keys: the key is then R(t) (k * cscale + cshift), R(t) the rotation of rotate_half RoPE by the angles
    whose cos / sin are rc[j, t], rs[j, t] (j < D / 2). Each tile of tokens is decoded into a small float buffer once
    and read by every query row of the KV head. */
@@ -303,8 +308,9 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
    and zeros ks, kz [n, D / kgroup]; with a pre-RoPE frame, cos / sin rows rc, rs [D / 2, r_st] (token t at column t).
    A tile of MAXTG tokens is decoded channel-major (kt[d * MAXTG + tt]), so that every step runs along the tokens. */
 INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st,
-                         const int kbits, int kgroup, const float* ks, const float* kz, const float* cshift,
-                         const float* cscale, const float* rc, const float* rs, int64_t r_st, float* s) {
+                         const int kbits, int kgroup, const float* ks, const float* kz, const float* klut,
+                         const float* cshift, const float* cscale, const float* rc, const float* rs, int64_t r_st,
+                         float* s) {
     enum { TG = MAXTG };
     const int per = 8 / kbits, words = D / per / 4, mask = (1 << kbits) - 1, G = D / kgroup, half = D / 2;
     uint32_t trw[MAXD / 4 * TG] __attribute__((aligned(64)));  /* trw[w * TG + tt]: code bytes 4w..4w+3 */
@@ -328,7 +334,11 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                 const float* sc = sct + g * TG;
                 const float* zr = zct + g * TG;
                 float* c = kt + d * TG;
-                if (cshift) {  /* the channel's scale and shift folded in: (code * s + z) * a + b */
+                if (klut) {  /* 8-bit float codes: the table's value, then as an integer code's */
+                    for (int tt = 0; tt < TG; tt++) c[tt] = klut[(src[tt] >> sh) & 0xFF];
+                    const float a = cshift ? cscale[d] : 1.f, b = cshift ? cshift[d] : 0.f;
+                    for (int tt = 0; tt < TG; tt++) c[tt] = c[tt] * (sc[tt] * a) + (zr[tt] * a + b);
+                } else if (cshift) {  /* the channel's scale and shift folded in: (code * s + z) * a + b */
                     const float a = cscale[d], b = cshift[d];
                     for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask) * (sc[tt] * a) + (zr[tt] * a + b);
                 } else {
@@ -364,24 +374,25 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
 /* One task of `token_partial`: rows q[M, D] over n tokens (pointers at the chunk's first token). */
 INLINE void token_chunk(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, const int kbits,
                         int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
-                        int vgroup, const float* vs, const float* vz, const float* cshift, const float* cscale,
-                        const float* rc, const float* rs, int64_t r_st, const uint8_t* valid, float* s, float* mx,
-                        float* sum, float* acc) {
-    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, cshift, cscale, rc, rs, r_st, s);
-    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, mx, sum, acc);
+                        int vgroup, const float* vs, const float* vz, const float* klut, const float* vlut,
+                        const float* cshift, const float* cscale, const float* rc, const float* rs, int64_t r_st,
+                        const uint8_t* valid, float* s, float* mx, float* sum, float* acc) {
+    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, klut, cshift, cscale, rc, rs, r_st, s);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, vlut, mx, sum, acc);
 }
 
 #define TOKEN_VARIANT(DD, KB)                                                                                    \
     if (D == DD && kbits == KB) {                                                                                \
-        token_chunk(q, M, DD, n, kc, kc_st, KB, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, cshift, cscale, \
-                    rc, rs, r_st, valid, s, mx, sum, acc);                                                       \
+        token_chunk(q, M, DD, n, kc, kc_st, KB, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, klut, vlut,     \
+                    cshift, cscale, rc, rs, r_st, valid, s, mx, sum, acc);                                       \
         return;                                                                                                  \
     }
 #define TOKEN_BITS(DD) TOKEN_VARIANT(DD, 2) TOKEN_VARIANT(DD, 4) TOKEN_VARIANT(DD, 8)
 
 static void token_dispatch(const float* q, int M, int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
                            int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
-                           int vgroup, const float* vs, const float* vz, const float* cshift, const float* cscale,
+                           int vgroup, const float* vs, const float* vz, const float* klut, const float* vlut,
+                           const float* cshift, const float* cscale,
                            const float* rc, const float* rs, int64_t r_st, const uint8_t* valid, float* s, float* mx,
                            float* sum, float* acc) {
     TOKEN_BITS(64) TOKEN_BITS(128) TOKEN_BITS(256)
@@ -397,13 +408,15 @@ int token_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
 /* The softmax partial over one segment of per-token key codes, as `quant_partial` (same outputs, chunks, work):
    ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
    strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
-   rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). Returns 1 for an unsupported shape. */
+   rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). klut, vlut: [256] values of 8-bit float codes, or NULL
+   for integer codes. Returns 1 for an unsupported shape. */
 struct token_args {
     const float* q; int M, D, T, G, J;
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
     const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
     const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb;
     const uint8_t* valid;
+    const float *klut, *vlut;
 };
 
 static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
@@ -414,7 +427,7 @@ static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, 
     token_dispatch(a->q + bh * M * D, M, D, n, a->kc + b * a->kc_sb + h * a->kc_sh + t0 * a->kc_st, a->kc_st,
                    a->kbits, a->kgroup, a->ks + (bh * T + t0) * G, a->kz + (bh * T + t0) * G,
                    a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
-                   a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J,
+                   a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J, a->klut, a->vlut,
                    framed ? a->cshift + b * a->cs_sb + h * D : 0, framed ? a->cscale + b * a->cs_sb + h * D : 0,
                    framed ? a->rc + b * a->r_sb + t0 : 0, framed ? a->rs + b * a->r_sb + t0 : 0, T,
                    a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc);
@@ -426,12 +439,13 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
                   const float* vs, const float* vz,
                   const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
-                  int64_t r_sb, const uint8_t* valid, int chunks, int threads,
+                  int64_t r_sb, const uint8_t* valid, const float* klut, const float* vlut, int chunks, int threads,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1) return 1;
+    if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
     const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
                                  vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, cshift, cscale, cs_sb, rc, rs, r_sb,
-                                 valid};
+                                 valid, klut, vlut};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
     run_tasks(B * H, H, M, D, T, per, chunks, threads, token_task, &a, work, cmx, csum, cacc);
     merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);

@@ -371,12 +371,13 @@ def token_segment(b, h, t, d, dtype="int4", group_size=None, symmetric=None, pre
 @pytest.mark.parametrize(
     "d,dtype,group_size,symmetric,prerope",
     [(64, "int4", None, None, False), (64, "int4", None, None, True), (64, "int8", None, None, True),
-     (128, "int4", 16, False, True), (256, "int8", 64, False, False), (256, "int4", None, None, True)],
+     (128, "int4", 16, False, True), (256, "int8", 64, False, False), (256, "int4", None, None, True),
+     (64, "fp8_e4m3", None, None, False), (128, "fp8_e5m2", 32, None, False), (64, "fp8_e4m3", None, None, True)],
 )
 @pytest.mark.parametrize("chunks", [1, 3])
 def test_native_token_partial_matches_dequantized_keys(d, dtype, group_size, symmetric, prerope, chunks):
-    """The compiled kernel over per-token codes (the uniform cache's format; pre-RoPE keys rotated back tile by tile,
-    RoPE's attention scaling folded into the angles) gives the partial of its dequantized keys and values, with a
+    """The compiled kernel over per-token codes (the uniform cache's formats, fp8 through a table of code values;
+    pre-RoPE keys rotated back tile by tile, RoPE's attention scaling folded into the angles) gives the partial of its dequantized keys and values, with a
     left-padding key mask, each row at its own positions, and the tokens split into chunks."""
     native_or_skip()
     from hf_kvcache.kernels.blockwise import dense_partial, finish
@@ -418,12 +419,12 @@ def test_decode_attention_over_a_token_segment(path, return_mass, dtype, group_s
 
 
 def test_native_token_supports_only_its_variants():
-    """No variant (the decoded fallback serves): fp8 codes, head_dim 80, more than 16 rows, more than 32 key scales
-    per token, queries on another device type."""
+    """No variant (the decoded fallback serves): head_dim 80, more than 16 rows, more than 32 key scales per token,
+    queries on another device type."""
     native_or_skip()
     q = torch.randn(1, 1, 4, 64)
     assert native.supports_tokens(q, token_segment(1, 1, 32, 64, "int4"))
-    assert not native.supports_tokens(q, token_segment(1, 1, 32, 64, "fp8"))
+    assert native.supports_tokens(q, token_segment(1, 1, 32, 64, "fp8"))
     assert not native.supports_tokens(torch.randn(1, 1, 4, 80), token_segment(1, 1, 32, 80, "int8"))
     assert not native.supports_tokens(torch.randn(1, 1, 17, 64), token_segment(1, 1, 32, 64, "int4"))
     assert not native.supports_tokens(q, token_segment(1, 1, 32, 64, "int4", group_size=1))

@@ -250,8 +250,8 @@ def test_a_row_with_fewer_than_32_real_tokens_stays_exact_until_it_has_them():
 
 
 def test_attention_segments_hold_what_materialize_reads():
-    """The fused attention reads one `TokenSegment` of the stored codes: none while keys wait raw for the statistics
-    (or for fp8, which keeps the dequantize path); then, decoded, exactly what `materialize` returns."""
+    """The fused attention reads one `TokenSegment` of the stored codes (every format): none while keys wait raw for
+    the statistics; then, decoded, exactly what `materialize` returns."""
     g = torch.Generator().manual_seed(7)
     keys, values = torch.randn(B, H, 48, D, generator=g), torch.randn(B, H, 48, D, generator=g)
     for key_quant in ("prerope", "token"):
@@ -267,4 +267,7 @@ def test_attention_segments_hold_what_materialize_reads():
             assert torch.equal(got, want)
     fp8 = UniformQuantCache(config=tiny_config(), dtype="fp8")
     fp8.update(keys, values, 0)
-    assert not fp8.reads_fused and fp8.layers[0].attention_segments() is None
+    (segment,) = fp8.layers[0].attention_segments()
+    assert fp8.reads_fused and segment.key_codec is None
+    for got, want in zip(segment.dequantize(fp8.layers[0].dtype), fp8.layers[0].materialize()):
+        assert torch.equal(got, want)

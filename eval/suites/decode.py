@@ -2,7 +2,7 @@
 
 Caches (`--caches`; default DynamicCache, transformers' QuantizedCache quanto 2-bit when optimum-quanto is installed,
 and the tiered defaults) each prefill `--tokens` tokens of the text in chunks of `--chunk` (512). A cache the fused
-attention reads in place (`reads_fused`: tiered, KIVI, int8 / int4) runs twice: through the dequantize path (`sdpa`: the layer
+attention reads in place (`reads_fused`: tiered, KIVI, int8 / int4 / fp8) runs twice: through the dequantize path (`sdpa`: the layer
 expands its past every step) and through the fused attention (`hf_kvcache`); on the CPU, where the compiled kernel
 (`kernels/native.py`) is available, a third time through the fused attention's torch path. Then `--decode-steps`
 (64) single-token steps are timed (an evicting cache, `needs_attention_mass`, under the `hf_kvcache` attention that

@@ -196,9 +196,9 @@ class UniformQuantLayer(CompressedLayer):
         return TokenSegment(keys, values, self.key_codec, positions)
 
     def attention_segments(self) -> list | None:
-        """The held codes as one `TokenSegment` the fused attention reads in place (integer formats, once the key
-        statistics of every row are fitted); None otherwise (the layer then hands over dequantized tensors)."""
-        if self.options.fmt != "int" or "k_pending" in self.store or "k_codes" not in self.store:
+        """The held codes as one `TokenSegment` the fused attention reads in place (once the key statistics of every
+        row are fitted); None otherwise (the layer then hands over dequantized tensors)."""
+        if "k_pending" in self.store or "k_codes" not in self.store:
             return None
         return [self._segment()]
 
@@ -268,4 +268,4 @@ class UniformQuantCache(CompressedCache):
             for layer, rope in ropes:
                 layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, per_row=True, options=o)
         o.key_quant = self.key_quant  # the options say what is in use (the lossless codec rebuilds from them)
-        self.reads_fused = o.fmt == "int"  # integer codes: generate binds the cache and the fused attention reads them
+        self.reads_fused = True  # generate binds the cache: the fused attention reads its codes in place
