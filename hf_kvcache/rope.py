@@ -92,12 +92,16 @@ class KeyRotation:
         """Undo `rotate_at` (fp32 result)."""
         return self._turn_at(x, positions, -1.0) / self.scaling
 
+    def cos_sin_at(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin `[*positions.shape, D/2]` (float32) of the angles at `positions`, one per frequency."""
+        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
+        return freqs.cos(), freqs.sin()
+
     def _turn_at(self, x: torch.Tensor, positions: torch.Tensor, sign: float) -> torch.Tensor:
         """`x * cos + sign * rotate_half(x) * sin` at `positions`, written per half of the last dim so that the
         angles are computed for D/2 frequencies only (the same numbers as the full-width formula, bit for bit), each
         product straight into its half of the result (no concatenation: ~3x faster on CPU at 2048 keys)."""
-        freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        cos, sin = freqs.cos(), freqs.sin()
+        cos, sin = self.cos_sin_at(positions)
         x = x.float()
         half = x.shape[-1] // 2
         x1, x2 = x[..., :half], x[..., half:]

@@ -107,18 +107,10 @@ def decode_attention(
             # the torch path masks per query row (a sliding window hides old keys from the later rows of a chunk)
             seg_mask = rows_mask(cmask, group) if cmask is not None and cmask.shape[2] > 1 else cmask
         if isinstance(seg, TokenSegment):  # a kernel where one serves, else decoded into the dense partial
-            kernel = not return_mass and _one_key_mask(seg_mask)
-            if kernel and use_triton:
-                from .triton_tokens import supports_tokens, token_partial_triton
-
-                kernel = supports_tokens(q, seg)
-                if kernel:
-                    partials.append(token_partial_triton(q, seg, key_valid))
-            elif kernel:
-                kernel = use_native is not False and native.supports_tokens(q, seg)
-                if kernel:
-                    partials.append(native.token_partial_native(q, seg, key_valid))
-            if not kernel:
+            part = None if return_mass else _token_kernel_partial(q, seg, key_valid, seg_mask, use_triton, use_native)
+            if part is not None:
+                partials.append(part)
+            else:
                 dense.append((FullSegment(*seg.dequantize(torch.float32)), start, cmask))
         elif isinstance(seg, QuantSegment):
             seg.check()
@@ -173,6 +165,20 @@ def decode_attention(
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
             mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton: bool, use_native: bool | None):
+    """The partial of the kernel that serves this per-token segment (Triton on CUDA, else the native CPU kernel), or
+    None where none does (a per-row mask, a shape without a variant, the native kernel turned off)."""
+    if not _one_key_mask(seg_mask):
+        return None
+    if use_triton:
+        from .triton_tokens import supports_tokens, token_partial_triton
+
+        return token_partial_triton(q, seg, key_valid) if supports_tokens(q, seg) else None
+    if use_native is not False and native.supports_tokens(q, seg):
+        return native.token_partial_native(q, seg, key_valid)
+    return None
 
 
 def _one_key_mask(seg_mask: torch.Tensor | None) -> bool:

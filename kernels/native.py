@@ -242,8 +242,7 @@ def _angles(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     last = getattr(_last_angles, "value", None)
     if last is not None and last[0] is rope and last[1].shape == positions.shape and torch.equal(last[1], positions):
         return last[2], last[3]
-    angles = positions.float().unsqueeze(1) * rope.inv_freq.to(positions.device).view(1, -1, 1)
-    cos, sin = (angles.cos() * rope.scaling).contiguous(), (angles.sin() * rope.scaling).contiguous()
+    cos, sin = (t.mul(rope.scaling).transpose(1, 2).contiguous() for t in rope.cos_sin_at(positions))
     _last_angles.value = (rope, positions.clone(), cos, sin)
     return cos, sin
 

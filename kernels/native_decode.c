@@ -334,16 +334,12 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                 const float* sc = sct + g * TG;
                 const float* zr = zct + g * TG;
                 float* c = kt + d * TG;
-                if (klut) {  /* 8-bit float codes: the table's value, then as an integer code's */
-                    for (int tt = 0; tt < TG; tt++) c[tt] = klut[(src[tt] >> sh) & 0xFF];
-                    const float a = cshift ? cscale[d] : 1.f, b = cshift ? cshift[d] : 0.f;
-                    for (int tt = 0; tt < TG; tt++) c[tt] = c[tt] * (sc[tt] * a) + (zr[tt] * a + b);
-                } else if (cshift) {  /* the channel's scale and shift folded in: (code * s + z) * a + b */
-                    const float a = cscale[d], b = cshift[d];
+                /* (code * s + z) * a + b: a pre-RoPE frame's channel scale and shift folded in (a = 1, b = 0 without) */
+                const float a = cshift ? cscale[d] : 1.f, b = cshift ? cshift[d] : 0.f;
+                if (klut)  /* 8-bit float codes: the table's value for the code */
+                    for (int tt = 0; tt < TG; tt++) c[tt] = klut[(src[tt] >> sh) & 0xFF] * (sc[tt] * a) + (zr[tt] * a + b);
+                else
                     for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask) * (sc[tt] * a) + (zr[tt] * a + b);
-                } else {
-                    for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask) * sc[tt] + zr[tt];
-                }
             }
         if (cshift) {
             for (int j = 0; j < half; j++) {

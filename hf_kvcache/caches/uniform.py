@@ -252,6 +252,7 @@ class UniformQuantCache(CompressedCache):
 
     options_class = UniformQuantOptions
     layer_class = UniformQuantLayer
+    reads_fused = True  # generate binds the cache to the model and runs the fused attention over its codes
 
     def __init__(self, config: Any = None, **options: Any) -> None:
         super().__init__(config, **options)
@@ -268,4 +269,3 @@ class UniformQuantCache(CompressedCache):
             for layer, rope in ropes:
                 layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, per_row=True, options=o)
         o.key_quant = self.key_quant  # the options say what is in use (the lossless codec rebuilds from them)
-        self.reads_fused = True  # generate binds the cache: the fused attention reads its codes in place
