@@ -104,6 +104,29 @@ def test_each_kv_head_keeps_its_own_heavy_hitters():
         assert torch.equal(values[1, h], v[1, h, idx])
 
 
+def test_update_hands_over_plain_storage_without_a_copy():
+    """Unquantized slots are returned as stored (held, then new); with gradients wanted, a copy that reaches the new
+    tokens."""
+    cache = H2OCache(config=tiny_config(), budget=10)
+    k0, v0 = step(cache, 12)
+    layer = cache.layers[0]
+    held_k, held_v = layer.held_keys_values()
+    k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    keys, values = cache.update(k, v, 0)
+    assert keys is layer.slots.keys and values is layer.slots.values
+    assert torch.equal(keys, torch.cat([held_k, k], 2)) and torch.equal(values, torch.cat([held_v, v], 2))
+    layer.observe_attention(torch.zeros(B, H, keys.shape[2]))
+    kg = torch.randn(B, H, 1, D, requires_grad=True)
+    keys, _ = cache.update(kg, v, 1)
+    assert keys is not cache.layers[1].slots.keys
+    keys[:, :, -1].sum().backward()
+    assert torch.equal(kg.grad, torch.ones_like(kg))
+    quantized = H2OCache(config=tiny_config(), budget=10, quant_bits=8, key_quant="token")
+    step(quantized, 12)
+    keys, _ = quantized.update(k, v, 0)
+    assert keys is not quantized.layers[0].slots.keys  # codes are dequantized into a fresh tensor
+
+
 def test_scores_accumulate_across_steps():
     cache = H2OCache(config=tiny_config(), budget=3, recent_length=0)
     step(cache, 3, mass=lambda n: torch.tensor([1.0, 0.0, 0.5]).expand(B, H, n).clone())

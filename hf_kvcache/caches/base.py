@@ -127,6 +127,15 @@ class CompressedLayer(DynamicLayer):
         out_k.copy_(past_k)
         out_v.copy_(past_v)
 
+    def plain_storage(self) -> bool:
+        """Whether, once `append` has run, `stored_keys_values` returns the held tokens and the new ones as they are
+        (the model's dtype, key order), so that `update` hands them over without a copy."""
+        return False
+
+    def stored_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys `[batch, kv_heads, held + new, head_dim]` and values as stored (only where `plain_storage()`)."""
+        raise NotImplementedError
+
     def attention_segments(self) -> list | None:
         """The held tokens as `hf_kvcache.kernels.segments` (quantized / full), in key order; None when this layer
         has no storage the fused attention can read directly."""
@@ -162,7 +171,11 @@ class CompressedLayer(DynamicLayer):
         n = key_states.shape[2]
         view = self._fused_view(n)
         held = self.tokens_held()
-        if view is not None:
+        # plain storage holds what the attention needs once the new tokens are stored: hand it over, no copy (not
+        # when gradients must reach the new tokens: the stored copy is detached)
+        stored = view is None and held > 0 and self.plain_storage() and not (
+            torch.is_grad_enabled() and (key_states.requires_grad or value_states.requires_grad))
+        if view is not None or stored:
             keys = values = None
         elif held > 0:
             keys, values = self._empty(held + n)
@@ -173,6 +186,8 @@ class CompressedLayer(DynamicLayer):
             keys, values = key_states, value_states
         self.cumulative_length += n
         self.append(key_states.detach(), value_states.detach())
+        if stored:
+            keys, values = self.stored_keys_values()
         self._end_update(n)
         if view is not None:
             self.fused_view = FusedView(view, key_states, value_states)

@@ -375,10 +375,16 @@ class H2OSlots:
                         None if self.log_weight is None else fn(self.log_weight))
 
     def select(self, index: torch.Tensor) -> "H2OSlots":
-        """The slots `index [batch, kv_heads, k]` of each row and head (rectangular storage)."""
+        """The slots `index [batch, kv_heads, k]` of each row and head (rectangular storage). Whole slots are copied
+        as rows of a flat view (`index_select`), several times faster than an element-wise `gather`."""
+        b, h, k = index.shape
+        slots = self.positions.shape[2]
+        rows = (torch.arange(b * h, device=index.device) * slots)[:, None] + index.reshape(b * h, k)
+        rows = rows.reshape(-1)
 
         def take(t: torch.Tensor) -> torch.Tensor:
-            return t.gather(2, index if t.dim() == 3 else index.unsqueeze(-1).expand(*index.shape, t.shape[-1]))
+            flat = t.reshape(b * h * slots, *t.shape[3:])
+            return flat.index_select(0, rows).view(b, h, k, *t.shape[3:])
 
         return self.map_rows(take)
 
@@ -532,6 +538,12 @@ class H2OLayer(CompressedLayer):
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self._plain_keys(self.slots), self._plain(self.slots.values)
+
+    def plain_storage(self) -> bool:
+        return not self.quantized and self.counts is None
+
+    def stored_keys_values(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.slots.keys, self.slots.values
 
     def held_keys(self) -> torch.Tensor:
         """`[batch, kv_heads, slots, head_dim]` the held keys in the model's dtype (dequantized when quantized)."""
