@@ -54,6 +54,8 @@ def kept_positions(cache, layer=0):
         (dict(policy="h2o", sink_length=4), "sink_length applies to the policies that keep sinks"),
         (dict(recent_ratio=2.0), r"recent_ratio must be a number in \[0, 1\]"),
         (dict(bogus=1), r"unknown option\(s\) \['bogus'\]"),
+        (dict(evict_every=0), "evict_every must be"),
+        (dict(evict_every=4, head_budgets=True, policy="tova"), "evict_every applies to uniform budgets"),
     ],
 )
 def test_bad_options(options, match):
@@ -125,6 +127,24 @@ def test_update_hands_over_plain_storage_without_a_copy():
     step(quantized, 12)
     keys, _ = quantized.update(k, v, 0)
     assert keys is not quantized.layers[0].slots.keys  # codes are dequantized into a fresh tensor
+
+
+def test_evict_every_waits_for_that_many_tokens_over_the_budget():
+    """Single-token steps: the layer grows to budget + n - 1, then drops back to the budget; memory counts it."""
+    every = H2OCache(config=tiny_config(), budget=10, evict_every=4)
+    each = H2OCache(config=tiny_config(), budget=10)
+    step(every, 10), step(each, 10)
+    held = []
+    for i in range(9):
+        step(every, 1, seed=i + 1), step(each, 1, seed=i + 1)
+        held.append(every.tokens_held())
+        assert each.tokens_held() == 10
+    assert held == [11, 12, 13, 10, 11, 12, 13, 10, 11]
+    per_slot = 2 * D * 4 + 4 + 4 + 1  # fp32 keys + values, score, position, valid flag
+    assert every.memory_stats()["bytes"] == LAYERS * B * H * 11 * per_slot
+    assert every.get_seq_length() == each.get_seq_length() == 19
+    every.evict_to(8)  # an explicit eviction does not wait
+    assert every.tokens_held() == 8
 
 
 def test_scores_accumulate_across_steps():

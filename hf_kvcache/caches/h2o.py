@@ -147,7 +147,12 @@ class H2OOptions(CacheOptions):
     `crop_window` (default 32; h2o / hybrid): while a layer has evicted nothing, it keeps the queries of the last
     `crop_window` positions, so that `crop` of up to that many tokens takes the attention mass they gave out of the
     scores (assisted decoding crops the rejected candidates); 0 keeps none (the next forward after a crop raises).
-    Not kept when the budget never evicts."""
+    Not kept when the budget never evicts.
+    `evict_every` n (default 1): evict only once the layer holds n tokens over its budget, then back down to the
+    budget, so that a decode step ranks and drops tokens once every n new tokens over the budget instead of at every
+    step (kvpress's `compression_interval`); the cache holds up to n - 1 tokens over the budget in between, which
+    `memory_stats()` counts. For decode speed (README); chunks of more than n new tokens evict at every chunk as
+    before. Not with `head_budgets`."""
 
     budget: int | float = 0.2
     policy: str = "h2o"
@@ -174,6 +179,7 @@ class H2OOptions(CacheOptions):
     merge: str | None = None
     merge_similarity: float | None = None
     crop_window: int | None = None
+    evict_every: int | None = None
 
     def validate(self) -> None:
         check_choice("policy", self.policy, tuple(POLICIES))
@@ -277,6 +283,11 @@ class H2OOptions(CacheOptions):
                 f"head_budgets shares a layer's budget across its heads by attention, which needs a policy whose "
                 f"scores compare across heads ({', '.join(VALUE_NORM_POLICIES)}), not {self.policy!r}"
             )
+        if self.evict_every is not None:
+            check_positive_int("evict_every", self.evict_every)
+            if self.head_budgets and self.evict_every > 1:
+                raise ValueError("evict_every applies to uniform budgets; head_budgets re-shares the layer's budget "
+                                 "across its heads at every step: set one of them")
         if self.min_budget is not None:
             check_positive_int("min_budget", self.min_budget)
             if not isinstance(b, float):
@@ -681,11 +692,14 @@ class H2OLayer(CompressedLayer):
 
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:
         """Keep the policy's `budget` slots of every (row, KV head) (default: the options' budget for the tokens
-        seen), the `protect_last` newest real tokens among them whatever their score."""
+        seen, once the layer holds `evict_every` tokens over it), the `protect_last` newest real tokens among them
+        whatever their score."""
         if self.slots is None:
             return
+        slack = 0
         if budget is None:
             budget = self.options.budget_for(self.cumulative_length, self.budget_scale)
+            slack = (self.options.evict_every or 1) - 1
         if self.options.head_budgets:
             view, ring_logits = self.slot_view()
             keep = self.policy.select_across_heads(view, budget, protect_last=protect_last)
@@ -693,7 +707,7 @@ class H2OLayer(CompressedLayer):
                 self._fold(view, ring_logits, keep)
             self._compact(keep if keep is not None else self.slots.positions >= 0)
             return
-        if budget >= self.tokens_held():
+        if budget + slack >= self.tokens_held():
             return
         view, ring_logits = self.slot_view()
         keep = self.policy.select(view, budget, protect_last=protect_last, shared=self.options.shared_heads)
