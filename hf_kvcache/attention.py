@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches.base import CompressedLayer, layer_of
+from .caches.base import CompressedLayer, layer_of, take_fused_view
 
 NAME = "hf_kvcache"
 QUERY_BLOCK = 256  # query positions per block when the attention mass is computed
@@ -293,9 +293,8 @@ def hf_kvcache_attention(
                 "the hf_kvcache attention cannot report attention mass together with position_bias / paged caches / "
                 "attention sinks (s_aux)"
             )
-        view = getattr(layer, "fused_view", None) if layer is not None else None
+        view = take_fused_view(layer)
         if view is not None:  # a layer read in place handed placeholders: attend to its decoded tensors instead
-            layer.fused_view = None
             key, value = view.dense()
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs

@@ -16,6 +16,7 @@ import dataclasses
 import torch
 
 from .attention import KERNELS, AttentionCall, mask_as_bool, register_kernel
+from .caches.base import take_fused_view
 from .kernels.decode_attention import decode_attention
 from .kernels.segments import FullSegment
 
@@ -28,7 +29,7 @@ class FusedCompressedKernel:
 
     def __call__(self, call: AttentionCall) -> tuple[torch.Tensor, torch.Tensor | None]:
         layer = call.layer
-        view, layer.fused_view = layer.fused_view, None
+        view = take_fused_view(layer)
         if call.dropout > 0.0 or (call.mask is not None and call.mask.shape[1] != 1):
             keys, values = view.dense()
             plain = dataclasses.replace(call, key=keys, value=values, layer=layer)

@@ -62,6 +62,15 @@ class FusedView:
         return dense_segments([*self.segments, FullSegment(self.new_keys, self.new_values)], self.new_keys.dtype)
 
 
+def take_fused_view(layer: Any) -> FusedView | None:
+    """The view `layer` left for this attention call, taken from it (a view is read once); None when it left none
+    (or `layer` is None)."""
+    view = getattr(layer, "fused_view", None)
+    if view is not None:
+        layer.fused_view = None
+    return view
+
+
 class _Placeholder(torch.Tensor):
     """The key/value tensors a layer returns while the fused attention reads its `FusedView`: right shape, no data.
     Anything but a look at the shape, dtype or device raises, so no other code can attend to them by mistake."""
