@@ -50,7 +50,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import multiprocessing
 import os
@@ -61,6 +60,10 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+
+from hf_kvcache.kernels.variants import (
+    BITS, DTYPES, GROUPS, HEAD_DIMS, KERNELS, X_DTYPES, Variant, all_variants, compile_kernel, quick_variants,
+)
 
 # ---- the device ---------------------------------------------------------------------------------------------------
 
@@ -115,141 +118,6 @@ def occupancy(n_regs: int, num_warps: int, shared_bytes: int, static_shared: int
     }
 
 
-# ---- kernel variants ----------------------------------------------------------------------------------------------
-P8, P16, P32, I8, I32 = "*u8", "*fp16", "*fp32", "*i8", "i32"
-X_DTYPES = {"fp16": P16, "bf16": "*bf16", "fp32": P32}
-BLOCK_T = 64  # triton_decode.BLOCK_T
-BLOCK_R = 16  # kivi_values_triton's block_rows
-HEAD_DIMS = (64, 128, 256)
-BITS = (2, 4, 8)
-GROUPS = (32, 64)  # tokens per key group: 32 = tiered warm tier and KIVI, 64 = tiered archive
-DTYPES = ("fp16", "bf16")
-KERNELS = ("_quant_attn_kernel", "_quant_mass_kernel", "_token_attn_kernel", "_keys_kernel", "_values_kernel")
-# the uniform caches' per-token formats the token kernel reads: (bits, channels per scale (None: the head), zeros)
-TOKEN_FORMATS = ((4, 32, False), (8, None, False))
-TIER_OF = {(2, 64): "tiered archive", (4, 32): "tiered warm", (2, 32): "KIVI-2"}
-
-
-@dataclass(frozen=True)
-class Variant:
-    module: str  # under hf_kvcache.kernels
-    kernel: str
-    signature: tuple[tuple[str, str], ...]  # runtime arguments
-    constexprs: tuple[tuple[str, object], ...]
-    divisible: tuple[str, ...]  # arguments compiled as multiples of 16 (aligned pointers, aligned counts)
-    use: str  # where the library launches it
-
-    @property
-    def params(self) -> dict:
-        return dict(self.constexprs)
-
-    def label(self) -> str:
-        c = self.params
-        parts = [f"{k}={v}" for k, v in c.items() if k not in ("BLOCK", "BLOCK_R")]
-        x = dict(self.signature).get("x_ptr")
-        if x is not None:
-            parts.append("x=" + x.lstrip("*"))
-        return f"{self.kernel}[{', '.join(parts)}]"
-
-
-def _ptrs(sig: dict) -> tuple[str, ...]:
-    return tuple(n for n, t in sig.items() if t.startswith("*"))
-
-
-def decode_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, m_pads=(16,), fp16_dot: bool = False,
-                    kernels=KERNELS) -> list[Variant]:
-    out = []
-    for d in head_dims:
-        for b in bits:
-            for g in groups:
-                tier = TIER_OF.get((b, g), "tiered/KIVI option")
-                for m_pad in m_pads:
-                    for has_valid in (False, True):
-                        for dot_f32 in (True, False) if fp16_dot else (True,):
-                            common = dict(HAS_VALID=has_valid, M_PAD=m_pad, D=d, BLOCK=BLOCK_T, K_BITS=b)
-                            valid = I8 if has_valid else P8  # without a mask the launch passes the code pointer
-                            how = "decode" if m_pad == 16 else f"{m_pad} rows (multi-token query)"
-                            how += "" if dot_f32 else ", fp16 dot (not reached: queries are fp32)"
-                            if "_quant_attn_kernel" in kernels:
-                                sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, vc_ptr=P8, vs_ptr=P16,
-                                           vz_ptr=P16, valid_ptr=valid, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
-                                           kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32)
-                                c = {**common, "V_BITS": b, "K_GROUP": g, "V_GROUP": min(g, d), "DOT_F32": dot_f32}
-                                out.append(Variant("triton_decode", "_quant_attn_kernel", tuple(sig.items()),
-                                                   tuple(c.items()),
-                                                   _ptrs(sig) + ("n_tok", "tokens_per_split", "kc_row", "vc_row"),
-                                                   f"{tier}, {how}"))
-                            if "_quant_mass_kernel" in kernels:
-                                sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, valid_ptr=valid, lse_ptr=P32,
-                                           mass_ptr=P32, n_tok=I32, kv_heads=I32, n_rows=I32, kc_row=I32)
-                                c = {**common, "K_GROUP": g, "DOT_F32": dot_f32}
-                                out.append(Variant("triton_decode", "_quant_mass_kernel", tuple(sig.items()),
-                                                   tuple(c.items()), _ptrs(sig) + ("n_tok", "kc_row"),
-                                                   f"{tier}, attention mass, {how}"))
-    return out
-
-
-def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
-    """`_token_attn_kernel` (`decode_attention` -> `token_partial_triton`, the uniform caches on CUDA): int4 / int8 at
-    their default groups (symmetric: no zeros), keys pre-RoPE (the default) or as they come, with and without a
-    validity mask; queries fp32 (DOT_F32=True), M_PAD 16."""
-    if "_token_attn_kernel" not in kernels:
-        return []
-    out = []
-    for d in head_dims:
-        for bits, group, zeros in TOKEN_FORMATS:
-            for prerope in (True, False):
-                for has_valid in (False, True):
-                    sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, vc_ptr=P8, vs_ptr=P16, vz_ptr=P16,
-                               shift_ptr=P32, cscale_ptr=P32, pos_ptr="*i32" if prerope else P32, freq_ptr=P32,
-                               valid_ptr=I8 if has_valid else P8, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
-                               kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32, stats_batched=I32,
-                               pos_batched=I32, rope_scaling="fp32")
-                    c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=BLOCK_T, K_BITS=bits,
-                             V_BITS=bits, K_GROUP=group or d, V_GROUP=group or d, K_ZERO=zeros, V_ZERO=zeros,
-                             DOT_F32=True)
-                    use = f"int{bits}, keys {'pre-RoPE' if prerope else 'as they come'}, decode"
-                    out.append(Variant("triton_tokens", "_token_attn_kernel", tuple(sig.items()), tuple(c.items()),
-                                       _ptrs(sig) + ("tokens_per_split",), use))
-    return out
-
-
-def pack_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, kernels=KERNELS) -> list[Variant]:
-    out = []
-    for d in head_dims:
-        for b in bits:
-            for g in groups:
-                tier = TIER_OF.get((b, g), "tiered/KIVI option")
-                for dt in dtypes:
-                    x = X_DTYPES[dt]
-                    if "_keys_kernel" in kernels:
-                        sig = dict(x_ptr=x, c_ptr=P8, s_ptr=P16, z_ptr=P16, n_tok=I32, c_row=I32)
-                        out.append(Variant("kivi_pack", "_keys_kernel", tuple(sig.items()),
-                                           (("D", d), ("GROUP", g), ("BITS", b)), _ptrs(sig) + ("n_tok", "c_row"),
-                                           f"{tier}, pack keys"))
-                    if "_values_kernel" in kernels:
-                        sig = dict(x_ptr=x, c_ptr=P8, s_ptr=P16, z_ptr=P16, n_rows=I32, c_row=I32)
-                        out.append(Variant("kivi_pack", "_values_kernel", tuple(sig.items()),
-                                           (("BLOCK_R", BLOCK_R), ("D", d), ("GROUP", min(g, d)), ("BITS", b)),
-                                           _ptrs(sig) + ("c_row",), f"{tier}, pack values"))
-    return out
-
-
-def all_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, m_pads=(16,), fp16_dot=False,
-                 kernels=KERNELS) -> list[Variant]:
-    return (decode_variants(head_dims, bits, groups, m_pads, fp16_dot, kernels) + token_variants(head_dims, kernels)
-            + pack_variants(head_dims, bits, groups, dtypes, kernels))
-
-
-def quick_variants() -> list[Variant]:
-    """One small variant per kernel: the tiered archive's decode kernel (with the sink mask) and its mass kernel at
-    head_dim 64, the warm tier's pack kernels from fp16."""
-    dec = decode_variants(head_dims=(64,), bits=(2,), groups=(64,))
-    pack = pack_variants(head_dims=(64,), bits=(4,), groups=(32,), dtypes=("fp16",))
-    tokens = token_variants(head_dims=(64,))
-    return [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + pack
-
-
 # ---- compiling ------------------------------------------------------------------------------------------------------
 _RES = re.compile(r"([A-Z]+(?:\[\d+\])?):(\d+)")
 
@@ -273,24 +141,12 @@ def cubin_resources(cubin: bytes, name: str) -> dict[str, int]:
 
 def compile_variant(v: Variant, arch: int = ARCH) -> dict:
     """Compile `v` for sm_`arch` and read its resources (run where TRITON_INTERPRET is unset)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        raise RuntimeError("unset TRITON_INTERPRET: the interpreter does not compile")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    fn = getattr(importlib.import_module(f"hf_kvcache.kernels.{v.module}"), v.kernel)
     sig, consts = dict(v.signature), v.params
-    signature = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
-    attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in v.divisible}
     row = {"kernel": v.kernel, "variant": v.label(), "use": v.use, "constexprs": consts,
            "x_dtype": sig.get("x_ptr", "").lstrip("*") or None}
     t0 = time.perf_counter()
     try:
-        k = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
-                           target=GPUTarget("cuda", arch, 32))
-        if "cubin" not in k.asm:
-            raise RuntimeError("no cubin produced")
+        k = compile_kernel(v, arch)
         res = cubin_resources(k.asm["cubin"], k.metadata.name)
     except Exception as exc:  # a variant that does not compile is a finding, not a crash of the report
         row.update(error=f"{type(exc).__name__}: {str(exc)[:500]}", compile_s=time.perf_counter() - t0)
