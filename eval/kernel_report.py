@@ -62,7 +62,7 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from hf_kvcache.kernels.variants import (
-    BITS, DTYPES, GROUPS, HEAD_DIMS, KERNELS, X_DTYPES, Variant, all_variants, compile_kernel, quick_variants,
+    ARCH, BITS, DTYPES, GROUPS, HEAD_DIMS, KERNELS, X_DTYPES, Variant, all_variants, compile_kernel, quick_variants,
 )
 
 # ---- the device ---------------------------------------------------------------------------------------------------
@@ -86,7 +86,6 @@ class SMLimits:
 
 H100 = SMLimits()
 BANDWIDTHS = {"H100": 3.35e12, "H200": 4.8e12}  # bytes/s: H100 SXM HBM3, H200 HBM3e
-ARCH = 90
 
 
 def occupancy(n_regs: int, num_warps: int, shared_bytes: int, static_shared: int = 0,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import sys
 
-from .variants import Variant, all_variants, compile_kernel, decode_variants, pack_variants, quick_variants
+from .variants import ARCH, Variant, all_variants, compile_kernel, decode_variants, pack_variants, quick_variants
 
 
 def check_variants(quick: bool = False) -> list[Variant]:
@@ -22,7 +22,7 @@ def check_variants(quick: bool = False) -> list[Variant]:
     return all_variants(bits=(2, 3, 4, 8), fp16_dot=True)
 
 
-def compile_all(arch: int = 90, quick: bool = False) -> list[str]:
+def compile_all(arch: int = ARCH, quick: bool = False) -> list[str]:
     """Compile `check_variants(quick)` for sm_`arch`; the labels of the variants compiled (raises on the first that
     does not compile)."""
     done = []
@@ -34,5 +34,5 @@ def compile_all(arch: int = 90, quick: bool = False) -> list[str]:
 
 if __name__ == "__main__":
     names = compile_all(quick="--quick" in sys.argv)
-    print(f"compiled {len(names)} kernel variants for sm_90")
+    print(f"compiled {len(names)} kernel variants for sm_{ARCH}")
     sys.exit(0)

@@ -12,6 +12,7 @@ import importlib
 import os
 from dataclasses import dataclass
 
+ARCH = 90  # the CUDA target compiled for without a GPU: Hopper (sm_90)
 P8, P16, P32, I8, I32 = "*u8", "*fp16", "*fp32", "*i8", "i32"
 X_DTYPES = {"fp16": P16, "bf16": "*bf16", "fp32": P32}
 BLOCK_T = 64  # triton_decode.BLOCK_T
@@ -146,7 +147,7 @@ def quick_variants() -> list[Variant]:
     return [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + pack
 
 
-def compile_kernel(v: Variant, arch: int = 90):
+def compile_kernel(v: Variant, arch: int = ARCH):
     """`triton.compile` of `v` for sm_`arch` (a CUDA target, no GPU needed); raises if no cubin comes out. Run where
     TRITON_INTERPRET is unset: the interpreter does not compile."""
     if os.environ.get("TRITON_INTERPRET") == "1":
