@@ -130,6 +130,27 @@ def test_update_hands_over_plain_storage_without_a_copy():
     assert torch.equal(keys, torch.cat([held_k, k], 2))
 
 
+
+@pytest.mark.parametrize("key_quant", ["token", "prerope"])
+def test_quantized_keys_are_decoded_once_per_step(key_quant):
+    """The eviction of a step reads the held keys its attention decoded, with only the new tokens decoded on top:
+    the same keys as a decoding of every slot; held (and counted) only until the step has evicted."""
+    cache = H2OCache(config=tiny_config(), budget=10, quant_bits=4, key_quant=key_quant, policy="knorm")
+    step(cache, 12)
+    layer = cache.layers[0]
+    k, v = torch.randn(B, H, 1, D), torch.randn(B, H, 1, D)
+    cache.update(k, v, 0)
+    memo = layer._decoded_keys
+    assert memo.codes is layer.slots.keys and memo.tail is not None  # the held part decoded, the new token not yet
+    keys = layer.held_keys()
+    assert memo.tail is None and layer.held_keys() is keys and any(t is keys for t in layer.held_tensors())
+    layer._decoded_keys = None
+    assert torch.equal(layer.held_keys(), keys)  # every slot decoded afresh: bit for bit the same
+    layer.observe_visible_keys(None)
+    layer.observe_attention(torch.zeros(B, H, keys.shape[2]))
+    assert layer._decoded_keys is None and not any(t is keys for t in layer.held_tensors())
+
+
 def test_evict_every_waits_for_that_many_tokens_over_the_budget():
     """Single-token steps: the layer grows to budget + n - 1, then drops back to the budget; memory counts it."""
     every = H2OCache(config=tiny_config(), budget=10, evict_every=4)

@@ -429,6 +429,17 @@ class H2OSlots:
         return out
 
 
+@dataclass
+class DecodedKeys:
+    """Quantized keys (`codes`, at `positions`) and their decoding in the model's dtype `[batch, kv_heads, slots,
+    head_dim]` (all but the `tail` slots until they are read)."""
+
+    codes: KIVIQuantized
+    positions: torch.Tensor
+    keys: torch.Tensor
+    tail: tuple[KIVIQuantized, torch.Tensor] | None = None  # codes and positions of newer slots, not decoded yet
+
+
 class H2OLayer(CompressedLayer):
     """One layer's kept tokens, their positions, padding flags and (policy permitting) scores, plus the queries of
     the last `query_window` positions for window policies (see the module docstring)."""
@@ -449,6 +460,7 @@ class H2OLayer(CompressedLayer):
         self.slots: H2OSlots | None = None  # what the layer holds (None before the first update)
         self.counts: torch.Tensor | None = None  # [batch, kv_heads] slots held while the storage is compact
         self._pending = 0  # tokens of the last update still waiting for their attention mass
+        self._decoded_keys: DecodedKeys | None = None  # this step's decoded keys (`_plain_keys`)
         # why a crop left scores it could not correct (the next update raises it); None when they are right
         self.stale_after_crop: str | None = None
         self._clear_queries()
@@ -496,6 +508,7 @@ class H2OLayer(CompressedLayer):
         return self.options.quant_bits is not None
 
     def _begin_update(self) -> None:
+        self._decoded_keys = None
         if self._pending:
             raise RuntimeError(MISSING_MASS.format(cls=type(self).__name__, policy=self.options.policy))
         if self.stale_after_crop:
@@ -522,7 +535,13 @@ class H2OLayer(CompressedLayer):
             scores=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.policy.uses_mass else None,
             log_weight=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.options.merge == "mass" else None,
         )
-        self.slots = new if self.slots is None else self.slots.cat(new)
+        memo, held = self._decoded_keys, self.slots
+        self.slots = new if held is None else held.cat(new)
+        if memo is not None and held is not None and memo.codes is held.keys and memo.positions is held.positions:
+            # the held keys the attention decoded stay valid: the eviction decodes only the new ones
+            self._decoded_keys = DecodedKeys(self.slots.keys, self.slots.positions, memo.keys, (keys, new.positions))
+        else:
+            self._decoded_keys = None
 
     def _quantize(self, x: torch.Tensor) -> KIVIQuantized:
         """KIVI codes `[b, h, n, packed]`, fp16 scale / zero `[b, h, n, groups]`: token-aligned, so eviction gathers
@@ -541,14 +560,32 @@ class H2OLayer(CompressedLayer):
     def _plain(self, x: Stored) -> torch.Tensor:
         return dequantize_kivi(x, self.dtype) if isinstance(x, KIVIQuantized) else x
 
-    def _plain_keys(self, slots: H2OSlots) -> torch.Tensor:
-        """The keys of rectangular `slots` in the model's dtype (RoPE redone at their positions with `key_codec`)."""
+    def _plain_keys(self, slots: H2OSlots, keep: bool = False) -> torch.Tensor:
+        """The keys of rectangular `slots` in the model's dtype (RoPE redone at their positions with `key_codec`).
+
+        Quantized keys are decoded once per step: the held keys the attention of a forward reads (`materialize`,
+        `keep`) are kept, and the eviction after it gets them with only the new tokens decoded (`_decoded_keys`,
+        dropped once the step has evicted)."""
+        if not isinstance(slots.keys, KIVIQuantized):
+            return slots.keys
+        memo = self._decoded_keys
+        if memo is not None and memo.codes is slots.keys and memo.positions is slots.positions:
+            if memo.tail is not None:
+                memo.keys = torch.cat([memo.keys, self._decode_keys(*memo.tail)], 2)
+                memo.tail = None
+            return memo.keys
+        keys = self._decode_keys(slots.keys, slots.positions)
+        if keep:
+            self._decoded_keys = DecodedKeys(slots.keys, slots.positions, keys)
+        return keys
+
+    def _decode_keys(self, codes: KIVIQuantized, positions: torch.Tensor) -> torch.Tensor:
         if self.key_codec is None:
-            return self._plain(slots.keys)
-        return self.key_codec.dequantize(slots.keys, slots.positions, self.dtype)
+            return dequantize_kivi(codes, self.dtype)
+        return self.key_codec.dequantize(codes, positions, self.dtype)
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._plain_keys(self.slots), self._plain(self.slots.values)
+        return self._plain_keys(self.slots, keep=True), self._plain(self.slots.values)
 
     def plain_storage(self) -> bool:
         return not self.quantized and self.counts is None
@@ -564,7 +601,8 @@ class H2OLayer(CompressedLayer):
         ring = [] if self.ring is None else self.ring.tensors()
         slots = [] if self.slots is None else self.slots.tensors()
         stats = [] if self.key_codec is None else self.key_codec.tensors()
-        return slots + ring + stats + ([] if self.counts is None else [self.counts])
+        decoded = [] if self._decoded_keys is None else [self._decoded_keys.keys]  # only between update and evict
+        return slots + ring + stats + decoded + ([] if self.counts is None else [self.counts])
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {} if self.slots is None else self.slots.named()
@@ -650,6 +688,7 @@ class H2OLayer(CompressedLayer):
         self._pending = 0
         self._new_queries = 0
         self.evict()
+        self._decoded_keys = None
         if self.ring is not None and len(self.ring) > self.query_window:  # evicted: crop can no longer undo
             self.ring = self.ring.last(self.query_window) if self.query_window else None
 
