@@ -13,6 +13,7 @@ fused attention keeps its torch path; `HF_KVCACHE_NATIVE=0` turns it off.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -143,9 +144,14 @@ def supports(q: torch.Tensor, seg: QuantSegment) -> bool:
     64 / 128 / 256, 2, 4 or 8 bits, key groups a multiple of 16 tokens)."""
     if q.device.type != "cpu" or seg.k_codes.device.type != "cpu":
         return False
-    lib = library()
-    return lib is not None and bool(lib.native_supports(q.shape[2], q.shape[3], seg.k_bits, seg.v_bits, seg.k_group,
-                                                        seg.v_group))
+    return library() is not None and _has_variant("native_supports", q.shape[2], q.shape[3], seg.k_bits, seg.v_bits,
+                                                  seg.k_group, seg.v_group)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_variant(check: str, *shape: int) -> bool:
+    """The library's answer to `check` (`native_supports` / `token_supports`) for these shape numbers, asked once."""
+    return bool(getattr(library(), check)(*shape))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -189,9 +195,8 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
         return False
     if k.n != q.shape[3] or v.n != q.shape[3]:
         return False
-    lib = library()
-    return lib is not None and bool(lib.token_supports(q.shape[2], q.shape[3], k.bits, v.bits, k.group_size,
-                                                       v.group_size))
+    return library() is not None and _has_variant("token_supports", q.shape[2], q.shape[3], k.bits, v.bits,
+                                                  k.group_size, v.group_size)
 
 
 def _scale_zero(x) -> tuple[torch.Tensor, torch.Tensor]:
@@ -220,8 +225,11 @@ def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
     """Scratch for the scores (`[b h m t]` floats, reused), the chunk partials (max, sum `[b, h, chunks, m]`, output
     `[b, h, chunks, m, d]`) and the merged partial (`[b, h, m]` twice, `[b, h, m, d]`) a kernel call writes."""
     work = scratch("native_scores", b * h * m * t, torch.float32, torch.device("cpu"))
-    chunk = torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m), torch.empty(b, h, chunks, m, d)
-    return work, chunk, (torch.empty(b, h, m), torch.empty(b, h, m), torch.empty(b, h, m, d))
+    rows = b * h * m
+    sizes = (rows * chunks, rows * chunks, rows * chunks * d, rows, rows, rows * d)
+    cmx, csum, cacc, mx, total, acc = torch.empty(sum(sizes)).split(sizes)  # one allocation, six views
+    chunk = cmx.view(b, h, chunks, m), csum.view(b, h, chunks, m), cacc.view(b, h, chunks, m, d)
+    return work, chunk, (mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, d))
 
 
 def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
