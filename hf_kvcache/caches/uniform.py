@@ -256,16 +256,53 @@ class UniformQuantCache(CompressedCache):
 
     def __init__(self, config: Any = None, **options: Any) -> None:
         super().__init__(config, **options)
-        o = self.options
-        self.key_quant = o.key_quant or ("prerope" if o.fmt == "int" and config is not None else "token")
-        if self.key_quant == "prerope":
-            try:
-                ropes = self._layer_ropes(config, "key_quant='prerope'", "key_quant='token'",
-                                          "undoes RoPE on the keys", kinds=(UniformQuantLayer,))
-            except ValueError:
-                if o.key_quant == "prerope":
-                    raise
-                ropes, self.key_quant = [], "token"  # the default on a RoPE it cannot undo: keys as they come
-            for layer, rope in ropes:
-                layer.key_codec = UniformPreRopeKeys(rope, o.bits, scale_power=KEY_SCALE_POWER, per_row=True, options=o)
-        o.key_quant = self.key_quant  # the options say what is in use (the lossless codec rebuilds from them)
+        self.key_quant = attach_prerope_keys(self, config, self.options)
+
+
+def attach_prerope_keys(cache: CompressedCache, config: Any, options: UniformQuantOptions) -> str:
+    """Give every `UniformQuantLayer` of `cache` a pre-RoPE key codec when `options.key_quant` asks for one (None:
+    for the integer formats when the config's RoPE can be undone); returns the mode in use, also written into
+    `options.key_quant` (the lossless codec rebuilds from it)."""
+    key_quant = options.key_quant or ("prerope" if options.fmt == "int" and config is not None else "token")
+    if key_quant == "prerope":
+        try:
+            ropes = cache._layer_ropes(config, "key_quant='prerope'", "key_quant='token'", "undoes RoPE on the keys",
+                                       kinds=(UniformQuantLayer,))
+        except ValueError:
+            if options.key_quant == "prerope":
+                raise
+            ropes, key_quant = [], "token"  # the default on a RoPE it cannot undo: keys as they come
+        for layer, rope in ropes:
+            layer.key_codec = UniformPreRopeKeys(rope, options.bits, scale_power=KEY_SCALE_POWER, per_row=True,
+                                                 options=options)
+    options.key_quant = key_quant
+    return key_quant
+
+
+SLIDING_DTYPES = ("auto", None) + DTYPES + tuple(ALIASES)
+
+
+class QuantizedSlidingLayers:
+    """For a cache whose own layers keep every token (paged, CPAC), placed before `CompressedCache` in its bases: its
+    sliding-window layers (Gemma-3's local layers: most of its cache at a few thousand tokens) hold their window in
+    a uniform format, `UniformQuantLayer(sliding_window=...)` in `sliding_dtype()` (None: left as transformers makes
+    them, in the model's dtype), keys pre-RoPE where the RoPE can be undone. The cache calls
+    `_attach_sliding_key_codecs(config)` at the end of its `__init__`."""
+
+    _sliding_options: UniformQuantOptions | None = None
+
+    def sliding_dtype(self) -> str | None:
+        """The uniform format of the sliding-window layers (`options.sliding_dtype`; a cache resolves "auto")."""
+        return self.options.sliding_dtype
+
+    def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
+        dtype = self.sliding_dtype()
+        if layer_type == "sliding_attention" and dtype is not None:
+            if self._sliding_options is None:
+                self._sliding_options = UniformQuantOptions(dtype=dtype)
+            return UniformQuantLayer(self._sliding_options, sliding_window=kwargs["sliding_window"])
+        return super()._make_layer(layer_type, kwargs, layer_idx)
+
+    def _attach_sliding_key_codecs(self, config: Any) -> None:
+        if self._sliding_options is not None:
+            attach_prerope_keys(self, config, self._sliding_options)

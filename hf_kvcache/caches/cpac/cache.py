@@ -11,12 +11,14 @@ from transformers import PreTrainedConfig
 from ...rope import KeyRotation
 from ..base import CompressedCache
 from ..base import memory_stats as _memory_stats
+from ..uniform import QuantizedSlidingLayers
 from .layer import CPACLayer, _Budget
 from .options import CPACOptions
 
 
-class CPACCache(CompressedCache):
-    """Cross-page adaptive compression. `CPACCache(config=model.config, memory_budget=0.5, delta_bits=8)`."""
+class CPACCache(QuantizedSlidingLayers, CompressedCache):
+    """Cross-page adaptive compression. `CPACCache(config=model.config, memory_budget=0.5, delta_bits=8)`. Sliding-window
+    layers (Gemma-3) hold their window per token in `sliding_dtype` (`QuantizedSlidingLayers`)."""
 
     options_class = CPACOptions
     layer_class = CPACLayer
@@ -31,6 +33,7 @@ class CPACCache(CompressedCache):
                 raise ValueError("key_space='derotated' needs config=model.config (its RoPE parameters)")
             self._rotation = KeyRotation.from_config(config)
         super().__init__(config, **options)
+        self._attach_sliding_key_codecs(config)
         self._budget.options = self.options
         if self.layer_class_to_replicate is not None:
             self.layer_class_to_replicate = functools.partial(CPACLayer, self.options, self._budget, self._rotation)
@@ -39,6 +42,9 @@ class CPACCache(CompressedCache):
         if layer_type == "full_attention":
             return CPACLayer(self.options, self._budget, self._rotation)
         return super()._make_layer(layer_type, kwargs, layer_idx)
+
+    def sliding_dtype(self) -> str | None:
+        return "int8" if self.options.sliding_dtype == "auto" else self.options.sliding_dtype
 
     def cpac_layers(self) -> list[CPACLayer]:
         return [layer for layer in self.layers if isinstance(layer, CPACLayer)]

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...options import CacheOptions, check_bool, check_choice, check_int, check_positive_int
+from ..uniform import SLIDING_DTYPES
 from .features import FEATURE_KINDS
 
 STREAMS = ("k", "v")
@@ -40,7 +41,9 @@ class CPACOptions(CacheOptions):
     `pressure`, `features` + `n_dct` (see `hf_kvcache.caches.cpac.features`), `protect_importance` (pages whose
     importance reaches it stay raw; None: no protection), `importance_weighting` (the `1 - |imp_a - imp_b|` factor),
     `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
-    `crop_window` (not in the paper): a layer keeps (while attention mass arrives) the attention each of the last
+    `sliding_dtype` (not in the paper): the uniform format ("int8", "int4", "fp8", ...) of the model's sliding-window
+    layers (Gemma-3's local layers), which keep their newest `sliding_window - 1` tokens per token quantized ("auto":
+    "int8"; None: the model's dtype, as transformers keeps them). `crop_window` (not in the paper): a layer keeps (while attention mass arrives) the attention each of the last
     `crop_window` queries of the last forward gave each page, so that `crop` of up to that many tokens right after
     their forward takes it out of the page importance (default 32; 0: none, and the next forward after a crop
     raises).
@@ -74,6 +77,7 @@ class CPACOptions(CacheOptions):
     delta_asymmetric: bool = False
     full_dtype: str = "float16"
     crop_window: int = 32
+    sliding_dtype: str | None = "auto"
 
     def validate(self) -> None:
         check_positive_int("page_size", self.page_size)
@@ -130,6 +134,7 @@ class CPACOptions(CacheOptions):
         check_bool("importance_weighting", self.importance_weighting)
         check_int("max_bases", self.max_bases, lo=0, allow_none=True)
         check_int("crop_window", self.crop_window, lo=0, hint=" (queries kept so that crop can undo their attention)")
+        check_choice("sliding_dtype", self.sliding_dtype, SLIDING_DTYPES)
 
     @property
     def groups(self) -> tuple:
