@@ -9,7 +9,8 @@ scores and outputs from the codes with the scales folded in, `block` tokens at a
 O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in their Triton
 kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
 decoded into the full-precision partial (as is every one when the attention mass is asked for). Every full-precision
-piece (tail, new tokens, overlays) makes one more partial. Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
+piece (tail, new tokens, overlays) makes one more partial. A one-position step over one per-token segment and its
+new tokens (the uniform caches' decode step) is a single native call that attends both. Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
 and the overlay attends in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are
 tested against.
 """
@@ -93,6 +94,11 @@ def decode_attention(
     total = sum(s.tokens for s in segments)
     if use_triton is None:
         use_triton = query.is_cuda
+    if not (return_mass or use_triton or use_native is False or overlays or q_len != 1):
+        part = _token_step_native(q, segments, attention_mask, total, group)
+        if part is not None:
+            out, _ = finish(part)
+            return ungroup_rows(out, hq, q_len).to(query.dtype), None
     partials, quant_spans, dense, start = [], [], [], 0
     rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
     pending = None  # (v_rotation, partial) of consecutive quantized segments sharing a value rotation
@@ -179,6 +185,26 @@ def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton:
     if use_native is not False and native.supports_tokens(q, seg):
         return native.token_partial_native(q, seg, key_valid)
     return None
+
+
+def _token_step_native(q, segments: list[Segment], attention_mask, total: int, group: int):
+    """The partial of a one-position step (grouped queries `q` [B, H, group, D]) over one per-token segment followed
+    by a few full-precision tokens that every row sees (the uniform caches' decode step), in one native call; None
+    where that does not apply (other segments, a masked new token, more than `native.MAX_DENSE` new tokens, a shape
+    the kernel has no variant for)."""
+    seg, rest = segments[0], segments[1:]
+    if not isinstance(seg, TokenSegment) or not rest or not all(isinstance(s, FullSegment) for s in rest):
+        return None
+    if total - seg.tokens > native.MAX_DENSE or not native.supports_tokens(q, seg):
+        return None
+    key_valid = None
+    if attention_mask is not None:
+        cols = _column_mask(attention_mask, 0, total, 1, total, causal_tail=False)[:, 0, -1]  # [B|1, total]
+        if not bool(cols[:, seg.tokens :].all()):
+            return None
+        key_valid = cols[:, : seg.tokens].expand(q.shape[0], -1)
+    dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
+    return native.token_partial_native(q, seg, key_valid, dense=(dk, dv))
 
 
 def _one_key_mask(seg_mask: torch.Tensor | None) -> bool:

@@ -98,7 +98,7 @@ def _compile() -> ctypes.CDLL:
     lib.native_supports.argtypes = [i] * 6
     lib.token_partial.restype = i
     lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
-                                  p, p, i64, p, p, i64, p, p, p, i, i, p, p, p, p, p, p, p]
+                                  p, p, i64, p, p, i64, p, p, p, p, p, i, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
     return lib
@@ -223,7 +223,8 @@ def _codes_and_table(x) -> tuple[torch.Tensor, torch.Tensor | None]:
 
 def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
     """Scratch for the scores (`[b h m t]` floats, reused), the chunk partials (max, sum `[b, h, chunks, m]`, output
-    `[b, h, chunks, m, d]`) and the merged partial (`[b, h, m]` twice, `[b, h, m, d]`) a kernel call writes."""
+    `[b, h, chunks, m, d]`; `chunks` counts every partial slot of a row) and the merged partial (`[b, h, m]` twice,
+    `[b, h, m, d]`) a kernel call writes."""
     work = scratch("native_scores", b * h * m * t, torch.float32, torch.device("cpu"))
     rows = b * h * m
     sizes = (rows * chunks, rows * chunks, rows * chunks * d, rows, rows, rows * d)
@@ -255,14 +256,21 @@ def _angles(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cos, sin
 
 
+MAX_DENSE = 64  # full-precision tokens `token_partial_native` takes beside the codes (MAXDENSE in the C source)
+
+
 def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
-                         chunks: int | None = None):
+                         chunks: int | None = None, dense: tuple[torch.Tensor, torch.Tensor] | None = None):
     """`quant_partial_native` for a `TokenSegment`: the softmax partial of grouped, scaled queries `q` [B, H, M, D]
     over its per-token codes (fp8 codes read through a table of their values), pre-RoPE keys rotated back tile by tile
-    (the angles folded with the RoPE's attention scaling). Call only where `supports_tokens` says so."""
+    (the angles folded with the RoPE's attention scaling). `dense`: keys and values `[B, H, n, D]` (float32,
+    contiguous, n <= `MAX_DENSE`) of full-precision tokens every row sees (a decode step's new tokens), attended in
+    the same call: the partial covers codes and them. Call only where `supports_tokens` says so."""
     b, h, m, d = q.shape
     t = seg.tokens
     threads, chunks = _split(t, b * h, chunks)
+    dk, dv = dense if dense is not None else (None, None)
+    nd = 0 if dk is None else dk.shape[2]
     q = q.float().contiguous()
     (kc, klut), (vc, vlut) = _codes_and_table(seg.keys), _codes_and_table(seg.values)
     (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
@@ -276,17 +284,18 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         cos, sin = _angles(codec.rope, seg.positions.reshape(-1, t))
         r_sb = (d // 2) * t if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T]
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
-    work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks)
+    work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks + (nd > 0))
     rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
-        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), _ptr(klut), _ptr(vlut), chunks,
-        threads,
+        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), _ptr(klut), _ptr(vlut),
+        _ptr(dk), _ptr(dv), nd, chunks, threads,
         _ptr(work), _ptr(cmx), _ptr(csum), _ptr(cacc), _ptr(mx), _ptr(total), _ptr(acc),
     )
     if rc:
         raise ValueError(f"the native kernel has no variant for this per-token segment ({seg.keys.bits}/"
-                         f"{seg.values.bits} bits, head_dim {d}, {m} rows): check `supports_tokens` first")
+                         f"{seg.values.bits} bits, head_dim {d}, {m} rows, {nd} full-precision tokens): check "
+                         f"`supports_tokens` first and pass at most {MAX_DENSE} dense tokens")
     return mx, total, acc
 
 

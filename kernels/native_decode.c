@@ -24,6 +24,7 @@
 #define MAXTG 64          /* tokens per tile */
 #define MAXG 32           /* per-token key scales (groups of channels) */
 #define NEG (-3.0e38f)    /* a masked score */
+#define MAXDENSE 64       /* full-precision tokens attended in the same call as per-token codes */
 #define INLINE static inline __attribute__((always_inline))
 
 INLINE uint32_t load32(const uint8_t* p) {
@@ -232,21 +233,21 @@ static void merge_chunks(int64_t rows, int M, int D, int chunks, const float* cm
 }
 
 /* Every task (row b, head h, token chunk c of `per` tokens) on OpenMP threads: `fn` writes the chunk's partial into
-   its slots of cmx, csum [rows, chunks, M] and cacc [rows, chunks, M, D], its scores into work (M floats per token);
-   a chunk past the last token gets the empty partial. */
+   its slots of cmx, csum [rows, slots, M] and cacc [rows, slots, M, D] (slots >= chunks), its scores into work (M
+   floats per token); a chunk past the last token gets the empty partial. */
 typedef void (*task_fn)(const void* args, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
                         float* sum, float* acc);
 
-static void run_tasks(int64_t rows, int H, int M, int D, int T, int per, int chunks, int threads, task_fn fn,
-                      const void* args, float* work, float* cmx, float* csum, float* cacc) {
+static void run_tasks(int64_t rows, int H, int M, int D, int T, int per, int chunks, int slots, int threads,
+                      task_fn fn, const void* args, float* work, float* cmx, float* csum, float* cacc) {
     const int64_t tasks = rows * chunks;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t task = 0; task < tasks; task++) {
         const int64_t bh = task / chunks, b = bh / H, h = bh % H;
         const int c = task % chunks, t0 = c * per, n = T - t0 < per ? T - t0 : per;
-        float* mx = cmx + (bh * chunks + c) * M;
-        float* sum = csum + (bh * chunks + c) * M;
-        float* acc = cacc + (bh * chunks + c) * M * D;
+        float* mx = cmx + (bh * slots + c) * M;
+        float* sum = csum + (bh * slots + c) * M;
+        float* acc = cacc + (bh * slots + c) * M * D;
         if (n <= 0) {
             for (int m = 0; m < M; m++) mx[m] = NEG, sum[m] = 0.f;
             memset(acc, 0, sizeof(float) * M * D);
@@ -289,10 +290,35 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
     const int G = T / kgroup;
     const struct quant_args a = {q, M, D, T, G, D / vgroup, tile_for(kgroup), kc, kc_sb, kc_sh, kc_st, kbits, kgroup,
                                  ks, kz, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, valid};
-    run_tasks(B * H, H, M, D, T, (G + chunks - 1) / chunks * kgroup, chunks, threads, quant_task, &a, work, cmx, csum,
-              cacc);
+    run_tasks(B * H, H, M, D, T, (G + chunks - 1) / chunks * kgroup, chunks, chunks, threads, quant_task, &a, work,
+              cmx, csum, cacc);
     merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
+}
+
+/* The partial of rows q[M, D] over nd <= MAXDENSE full-precision tokens dk, dv [nd, D] (float32), every key seen:
+   the new tokens of a decode step, attended beside the codes in the same call. */
+static void dense_partial(const float* q, int M, int D, int nd, const float* dk, const float* dv, float* mx,
+                          float* sum, float* acc) {
+    float s[MAXDENSE];
+    for (int m = 0; m < M; m++) {
+        float best = NEG;
+        for (int t = 0; t < nd; t++) {
+            float x = 0.f;
+            for (int d = 0; d < D; d++) x += q[m * D + d] * dk[t * D + d];
+            s[t] = x;
+            best = x > best ? x : best;
+        }
+        float tot = 0.f, *out = acc + m * D;
+        memset(out, 0, sizeof(float) * D);
+        for (int t = 0; t < nd; t++) {
+            const float p = expf(s[t] - best);
+            tot += p;
+            for (int d = 0; d < D; d++) out[d] += p * dv[t * D + d];
+        }
+        mx[m] = best;
+        sum[m] = tot;
+    }
 }
 
 /* ---- per-token key codes (the uniform cache's format) ------------------------------------------------------------
@@ -405,7 +431,9 @@ int token_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
    ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
    strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
    rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). klut, vlut: [256] values of 8-bit float codes, or NULL
-   for integer codes. Returns 1 for an unsupported shape. */
+   for integer codes. dk, dv [B, H, nd, D] float32 contiguous: nd <= MAXDENSE full-precision tokens after the codes,
+   seen by every row (a decode step's new tokens; nd = 0: none), one more partial per row (cmx, csum and cacc hold
+   chunks + 1 slots per row then). Returns 1 for an unsupported shape. */
 struct token_args {
     const float* q; int M, D, T, G, J;
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
@@ -435,15 +463,20 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
                   const float* vs, const float* vz,
                   const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
-                  int64_t r_sb, const uint8_t* valid, const float* klut, const float* vlut, int chunks, int threads,
+                  int64_t r_sb, const uint8_t* valid, const float* klut, const float* vlut, const float* dk,
+                  const float* dv, int nd, int chunks, int threads,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
-    if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1) return 1;
+    if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1 || nd < 0 || nd > MAXDENSE) return 1;
     if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
     const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
                                  vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, cshift, cscale, cs_sb, rc, rs, r_sb,
                                  valid, klut, vlut};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
-    run_tasks(B * H, H, M, D, T, per, chunks, threads, token_task, &a, work, cmx, csum, cacc);
-    merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
+    const int slots = chunks + (nd > 0);  /* the full-precision tokens: one more partial per row */
+    run_tasks(B * H, H, M, D, T, per, chunks, slots, threads, token_task, &a, work, cmx, csum, cacc);
+    for (int64_t bh = 0; nd > 0 && bh < (int64_t)B * H; bh++)
+        dense_partial(q + bh * M * D, M, D, nd, dk + bh * nd * D, dv + bh * nd * D, cmx + (bh * slots + chunks) * M,
+                      csum + (bh * slots + chunks) * M, cacc + (bh * slots + chunks) * M * D);
+    merge_chunks(B * H, M, D, slots, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
 }

@@ -418,6 +418,33 @@ def test_decode_attention_over_a_token_segment(path, return_mass, dtype, group_s
         torch.testing.assert_close(mass, ref_mass, atol=4e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("new_tokens,hide_new,one_call", [((1,), False, True), ((2, 1), False, True),
+                                                           ((1,), True, False), ((40, 30), False, False)])
+def test_native_token_step_attends_codes_and_new_tokens_in_one_call(monkeypatch, new_tokens, hide_new, one_call):
+    """A one-position step over a per-token segment and up to 64 full-precision tokens (the uniform caches' decode
+    step) runs as one native call that also attends the new tokens; a mask that hides a new token, or more than 64 of
+    them, takes the general path. Both match the reference."""
+    native_or_skip()
+    seg = token_segment(2, 2, 150, 64, "int4", prerope=True, pad=(0, 30), seed=7)
+    g = torch.Generator().manual_seed(1)
+    tails = [FullSegment(torch.randn(2, 2, n, 64, generator=g), torch.randn(2, 2, n, 64, generator=g))
+             for n in new_tokens]
+    total = 150 + sum(new_tokens)
+    q = torch.randn(2, 6, 1, 64, generator=g)
+    mask = left_padded_mask(2, 1, total, (0, 30))
+    if hide_new:
+        mask[1, ..., -1] = False
+    calls = []
+    real = native.token_partial_native
+    monkeypatch.setattr(native, "token_partial_native",
+                        lambda *a, **kw: calls.append(kw.get("dense") is not None) or real(*a, **kw))
+    ref, _ = reference_attention(q, [seg, *tails], mask)
+    out, _ = decode_attention(q, [seg, *tails], mask)
+    assert calls == ([True] if one_call else [False])
+    # measured up to 1.4e-6 (both paths; the kernel runs under -ffast-math)
+    torch.testing.assert_close(out, ref, atol=3e-6, rtol=1e-5)
+
+
 def test_native_token_supports_only_its_variants():
     """No variant (the decoded fallback serves): head_dim 80, more than 16 rows, more than 32 key scales per token,
     queries on another device type."""
