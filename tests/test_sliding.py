@@ -229,3 +229,22 @@ def test_paged_and_cpac_quantize_their_sliding_layers(tiny_gemma, name, auto):
     assert err["int8"] <= err[None] + 0.01, err
     with pytest.raises(ValueError, match="sliding_dtype"):
         build_cache(name, model.config, sliding_dtype="int3")
+
+
+@pytest.mark.parametrize("name", ["paged_quant", "cpac"])
+def test_paged_and_cpac_generate_with_quantized_windows_and_beams(tiny_gemma, name):
+    """generate with beams (rows reordered every step) and several returned sequences, past the window: the quantized
+    sliding layers follow the rows; left padding keeps each row's tokens."""
+    from hf_kvcache.caches.uniform import UniformQuantLayer
+
+    model = tiny_gemma
+    ids = torch.randint(1, 256, (2, 40), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, :6] = 0  # the second row left-padded
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, num_beams=2, num_return_sequences=2,
+                         do_sample=False, cache_implementation=name, cache_config={}, return_dict_in_generate=True)
+    assert out.sequences.shape == (4, 52)
+    cache = out.past_key_values
+    sliding = cache.layers[0]
+    assert isinstance(sliding, UniformQuantLayer) and sliding.tokens_held() == WINDOW - 1
+    assert sliding.batch_size() == cache.layers[3].batch_size() == 4
