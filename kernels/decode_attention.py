@@ -10,9 +10,9 @@ O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform
 kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
 decoded into the full-precision partial (as is every one when the attention mass is asked for). Every full-precision
 piece (tail, new tokens, overlays) makes one more partial. A one-position step over one per-token segment and its
-new tokens (the uniform caches' decode step) is a single native call that attends both. Full-precision overlays (sinks) replace the positions under them: those columns of the quantized segment are masked
-and the overlay attends in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are
-tested against.
+new tokens (the uniform caches' decode step) is a single native call that attends both. Full-precision overlays
+(sinks) replace the positions under them: those columns of the quantized segment are masked and the overlay attends
+in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are tested against.
 """
 
 from __future__ import annotations

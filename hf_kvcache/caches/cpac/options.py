@@ -43,10 +43,10 @@ class CPACOptions(CacheOptions):
     `max_bases` per row and head (None: unlimited), `full_dtype` of raw / base pages and of the recent tail.
     `sliding_dtype` (not in the paper): the uniform format ("int8", "int4", "fp8", ...) of the model's sliding-window
     layers (Gemma-3's local layers), which keep their newest `sliding_window - 1` tokens per token quantized ("auto":
-    "int8"; None: the model's dtype, as transformers keeps them). `crop_window` (not in the paper): a layer keeps (while attention mass arrives) the attention each of the last
-    `crop_window` queries of the last forward gave each page, so that `crop` of up to that many tokens right after
-    their forward takes it out of the page importance (default 32; 0: none, and the next forward after a crop
-    raises).
+    "int8"; None: the model's dtype, as transformers keeps them). `crop_window` (not in the paper): a layer keeps
+    (while attention mass arrives) the attention each of the last `crop_window` queries of the last forward gave each
+    page, so that `crop` of up to that many tokens right after their forward takes it out of the page importance
+    (default 32; 0: none, and the next forward after a crop raises).
 
     Variants (not in the paper, to see what matters): `delta_asymmetric` (deltas quantized with a zero point, an fp16
     minimum per scale group, instead of symmetrically); `similarity_on` -- "joint" (keys and values of a page decide
