@@ -353,8 +353,8 @@ class CompressedLayer(DynamicLayer):
 class CompressedCache(Cache):
     """A `transformers.Cache` whose full-attention layers are `layer_class`; sliding-window layers are
     `layer_class` too when it `supports_sliding`, else what `_make_layer` gives (H2OCache with `quant_bits`: a
-    quantized window), else they stay as transformers makes them (they are bounded already), so mixed models generate
-    correctly."""
+    quantized window; paged and CPAC: `uniform.QuantizedSlidingLayers`), else they stay as transformers makes them
+    (they are bounded already), so mixed models generate correctly."""
 
     options_class: type[CacheOptions] = CacheOptions
     layer_class: type[CompressedLayer] = CompressedLayer
