@@ -190,12 +190,12 @@ def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton:
 def _token_step_native(q, segments: list[Segment], attention_mask, total: int, group: int):
     """The partial of a one-position step (grouped queries `q` [B, H, group, D]) over one per-token segment followed
     by a few full-precision tokens that every row sees (the uniform caches' decode step), in one native call; None
-    where that does not apply (other segments, a masked new token, more than `native.MAX_DENSE` new tokens, a shape
+    where that does not apply (other segments, a masked new token, more than `native.max_dense()` new tokens, a shape
     the kernel has no variant for)."""
     seg, rest = segments[0], segments[1:]
     if not isinstance(seg, TokenSegment) or not rest or not all(isinstance(s, FullSegment) for s in rest):
         return None
-    if total - seg.tokens > native.MAX_DENSE or not native.supports_tokens(q, seg):
+    if not native.supports_tokens(q, seg) or total - seg.tokens > native.max_dense():
         return None
     key_valid = None
     if attention_mask is not None:

@@ -101,6 +101,8 @@ def _compile() -> ctypes.CDLL:
                                   p, p, i64, p, p, i64, p, p, p, p, p, i, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
+    lib.token_max_dense.restype = i
+    lib.token_max_dense.argtypes = []
     return lib
 
 
@@ -256,7 +258,15 @@ def _angles(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cos, sin
 
 
-MAX_DENSE = 64  # full-precision tokens `token_partial_native` takes beside the codes (MAXDENSE in the C source)
+def max_dense() -> int:
+    """How many full-precision tokens `token_partial_native` takes beside the codes (the C source's MAXDENSE; 0
+    where the kernel is unavailable)."""
+    return 0 if library() is None else _library_max_dense()
+
+
+@functools.lru_cache(maxsize=None)
+def _library_max_dense() -> int:
+    return int(library().token_max_dense())
 
 
 def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
@@ -264,7 +274,7 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
     """`quant_partial_native` for a `TokenSegment`: the softmax partial of grouped, scaled queries `q` [B, H, M, D]
     over its per-token codes (fp8 codes read through a table of their values), pre-RoPE keys rotated back tile by tile
     (the angles folded with the RoPE's attention scaling). `dense`: keys and values `[B, H, n, D]` (float32,
-    contiguous, n <= `MAX_DENSE`) of full-precision tokens every row sees (a decode step's new tokens), attended in
+    contiguous, n <= `max_dense()`) of full-precision tokens every row sees (a decode step's new tokens), attended in
     the same call: the partial covers codes and them. Call only where `supports_tokens` says so."""
     b, h, m, d = q.shape
     t = seg.tokens
@@ -295,7 +305,7 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
     if rc:
         raise ValueError(f"the native kernel has no variant for this per-token segment ({seg.keys.bits}/"
                          f"{seg.values.bits} bits, head_dim {d}, {m} rows, {nd} full-precision tokens): check "
-                         f"`supports_tokens` first and pass at most {MAX_DENSE} dense tokens")
+                         f"`supports_tokens` first and pass at most {max_dense()} dense tokens")
     return mx, total, acc
 
 

@@ -420,6 +420,9 @@ static void token_dispatch(const float* q, int M, int D, int n, const uint8_t* k
     TOKEN_BITS(64) TOKEN_BITS(128) TOKEN_BITS(256)
 }
 
+/* How many full-precision tokens `token_partial` attends beside the codes (MAXDENSE). */
+int token_max_dense(void) { return MAXDENSE; }
+
 /* 1 when `token_partial` has a variant for the shape. */
 int token_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
     int bits_ok = (kbits == 2 || kbits == 4 || kbits == 8) && (vbits == 2 || vbits == 4 || vbits == 8);
