@@ -76,6 +76,12 @@ def _cmd_kernel_report(args: argparse.Namespace) -> int:
     return main_args(args)
 
 
+def _cmd_gpu_check(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.gpu_check import main_args
+
+    return main_args(args)
+
+
 def _cmd_pareto(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.pareto import main_args
 
@@ -227,6 +233,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "occupancy) and a decode-step bytes roofline; no GPU needed")
     _kernel_report_arguments(p)
     p.set_defaults(func=_cmd_kernel_report)
+
+    from hf_kvcache.eval.gpu_check import add_arguments as _gpu_check_arguments
+
+    p = sub.add_parser("gpu-check", help="one-shot check on a CUDA GPU: kernel correctness, decode attention vs "
+                       "SDPA bf16, bandwidth, generate tokens/s; JSON and a table into --out")
+    _gpu_check_arguments(p)
+    p.set_defaults(func=_cmd_gpu_check)
 
     from hf_kvcache.eval.pareto import add_arguments as _pareto_arguments
 

@@ -177,27 +177,34 @@ def _launch_args(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | N
     return qp, parts, valid, m_pad, dot_f32
 
 
-def quant_partial_triton(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None):
-    """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged."""
+def quant_partial_triton(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None, block: int = BLOCK_T,
+                         num_warps: int = 4, dot_f32: bool | None = None, waves: int = 2):
+    """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged.
+
+    Args:
+        block: tokens per tile. num_warps: warps per program. dot_f32: the fp32 (IEEE) dots, or fp16 operands with
+            fp32 accumulation (None: fp32 for fp32 queries and under the interpreter). waves: programs per SM.
+    """
     b, h, m, d = q.shape
     n_tok = seg.tokens
-    qp, parts, valid, m_pad, dot_f32 = _launch_args(q, seg, key_valid)
-    n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad)
+    qp, parts, valid, m_pad, default_f32 = _launch_args(q, seg, key_valid)
+    n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad, block, waves)
     _quant_attn_kernel[(b * h, n_split)](
         qp, *parts, valid, m_out, l_out, acc_out, n_tok, h, per_split, parts[0].shape[-1], parts[3].shape[-1],
-        HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, BLOCK=BLOCK_T, K_BITS=seg.k_bits, V_BITS=seg.v_bits,
-        K_GROUP=seg.k_group, V_GROUP=seg.v_group, DOT_F32=dot_f32,
+        HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, BLOCK=block, K_BITS=seg.k_bits, V_BITS=seg.v_bits,
+        K_GROUP=seg.k_group, V_GROUP=seg.v_group, DOT_F32=default_f32 if dot_f32 is None else dot_f32,
+        num_warps=num_warps,
     )
     return merge_splits(m_out, l_out, acc_out, q.shape)
 
 
-def split_plan(q: torch.Tensor, n_tok: int, m_pad: int):
+def split_plan(q: torch.Tensor, n_tok: int, m_pad: int, block: int = BLOCK_T, waves: int = 2):
     """(splits, tokens per split, the per-split outputs m, l `[B Hkv, splits, M_PAD]` and acc `[..., D]`) for a
-    launch over `n_tok` tokens: enough programs to fill the GPU twice, whole tiles per split."""
+    launch over `n_tok` tokens: enough programs to fill the GPU `waves` times, whole tiles of `block` per split."""
     b, h, _, d = q.shape
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-    n_split = max(1, min(triton.cdiv(n_tok, BLOCK_T), triton.cdiv(2 * sms, b * h)))
-    per_split = triton.cdiv(triton.cdiv(n_tok, n_split), BLOCK_T) * BLOCK_T
+    n_split = max(1, min(triton.cdiv(n_tok, block), triton.cdiv(waves * sms, b * h)))
+    per_split = triton.cdiv(triton.cdiv(n_tok, n_split), block) * block
     n_split = triton.cdiv(n_tok, per_split)
     m_out = torch.empty(b * h, n_split, m_pad, device=q.device, dtype=torch.float32)
     acc_out = torch.empty(b * h, n_split, m_pad, d, device=q.device, dtype=torch.float32)
