@@ -256,43 +256,60 @@ def _compare(query, segments, device: str, qdtype: torch.dtype, mask=None, mass:
 
 def correctness(device: str, opts: CheckOptions, deadline: Deadline) -> list[dict]:
     rows: list[dict] = []
-    dims = opts.head_dims if opts.dry_run else (64, 128, 256)
+    dims = opts.head_dims if opts.dry_run else (128, 64, 256)
     t = 96 if opts.dry_run else 1000
-    formats = [(2, 64), (4, 32), (2, 32), (8, 32)]  # archive, warm, KIVI-2, 8-bit option
-    seed = 0
-    # (GQA ratio, key mask, attention mass): the plain decode, a padded batch with the mass, a wide group
-    shapes = ((1, False, False), (4, True, True), (8, False, False))
-    for d in dims:
-        for bits, group in formats:
-            for gqa, masked, mass in shapes:
-                if deadline.passed():
-                    rows.append(dict(case="(budget spent: the remaining cases were not run)"))
-                    return rows
-                seed += 1
-                tq = t - t % group
-                seg, tail = kivi_case(2, 2, tq, d, bits, group, seed)
-                q = torch.randn(2, 2 * gqa, 1, d, generator=torch.Generator().manual_seed(seed))
-                mask = None
-                if masked:
-                    mask = torch.ones(2, 1, 1, tq + tail.tokens, dtype=torch.bool)
-                    mask[1, ..., : tq // 3] = False  # left padding of the second row
-                qdtype = torch.bfloat16 if seed % 2 else torch.float16
-                case = dict(case=f"kivi d={d} bits={bits} group={group} gqa={gqa} mask={masked} mass={mass}",
-                            qdtype=str(qdtype).removeprefix("torch."))
-                rows.append(_run_case(case, lambda: _compare(q, [seg, tail], device, qdtype, mask, mass=mass)))
-    for d in dims:
-        for dtype in ("int4", "int8"):
-            for prerope in (False, True):
-                if deadline.passed():
-                    rows.append(dict(case="(budget spent: the remaining cases were not run)"))
-                    return rows
-                seed += 1
-                seg = token_case(2, 2, t, d, dtype, prerope, seed)
-                q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(seed))
-                case = dict(case=f"tokens d={d} {dtype} prerope={prerope}", qdtype="bfloat16")
-                rows.append(_run_case(case, lambda: _compare(q, [seg], device, torch.bfloat16)))
-    rows += pack_correctness(device, dims, t)
+    for i, d in enumerate(dims):  # every kernel at the first head dim before the others
+        for block in (_kivi_cases, _token_cases, _pack_cases):
+            if deadline.passed():
+                rows.append(dict(case="(budget spent: the remaining cases were not run)"))
+                return rows
+            rows += block(device, d, t, deadline, seed=100 * i)
     return rows
+
+
+def _kivi_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    """KIVI-layout segments of every width / group at head dim `d`: a plain decode, a padded batch with the mass, a
+    wide GQA group (queries alternate bf16 / fp16)."""
+    rows = []
+    formats = [(2, 64), (4, 32), (2, 32), (8, 32)]  # archive, warm, KIVI-2, 8-bit option
+    shapes = ((1, False, False), (4, True, True), (8, False, False))
+    for bits, group in formats:
+        for gqa, masked, mass in shapes:
+            if deadline.passed():
+                return rows
+            seed += 1
+            tq = t - t % group
+            seg, tail = kivi_case(2, 2, tq, d, bits, group, seed)
+            q = torch.randn(2, 2 * gqa, 1, d, generator=torch.Generator().manual_seed(seed))
+            mask = None
+            if masked:
+                mask = torch.ones(2, 1, 1, tq + tail.tokens, dtype=torch.bool)
+                mask[1, ..., : tq // 3] = False  # left padding of the second row
+            qdtype = torch.bfloat16 if seed % 2 else torch.float16
+            case = dict(case=f"kivi d={d} bits={bits} group={group} gqa={gqa} mask={masked} mass={mass}",
+                        qdtype=str(qdtype).removeprefix("torch."))
+            rows.append(_run_case(case, lambda: _compare(q, [seg, tail], device, qdtype, mask, mass=mass)))
+    return rows
+
+
+def _token_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    """Per-token segments (int4 / int8, keys as they come or pre-RoPE) at head dim `d`."""
+    rows = []
+    for dtype in ("int4", "int8"):
+        for prerope in (False, True):
+            if deadline.passed():
+                return rows
+            seed += 1
+            seg = token_case(2, 2, t, d, dtype, prerope, seed)
+            q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(seed))
+            case = dict(case=f"tokens d={d} {dtype} prerope={prerope}", qdtype="bfloat16")
+            rows.append(_run_case(case, lambda: _compare(q, [seg], device, torch.bfloat16)))
+    return rows
+
+
+def _pack_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    return pack_correctness(device, (d,), t)
+
 
 
 def pack_correctness(device: str, dims, t: int) -> list[dict]:
@@ -422,19 +439,21 @@ def _describe(seg) -> str:
 
 # ---- launch-knob sweep ------------------------------------------------------------------------------------------------
 def kernel_sweep(device: str, opts: CheckOptions, deadline: Deadline) -> list[dict]:
-    """The KIVI-layout decode kernel at 32K tokens under each launch setting, against the default launch."""
+    """The KIVI-layout decode kernels at 32K tokens, head dim 128, under each launch setting (the general kernel as it
+    launched before, the row-wise kernel's warps / programs per SM / dots); errors against the general fp32 launch."""
     rows: list[dict] = []
     if not device.startswith("cuda"):
         return [dict(setting="(needs CUDA: the sweep launches the Triton kernel directly)")]
     from hf_kvcache.kernels.kivi_pack import kivi_quantize_keys, kivi_quantize_values
     from hf_kvcache.kernels.segments import QuantSegment
     from hf_kvcache.kernels.triton_decode import quant_partial_triton
+    from hf_kvcache.kernels.triton_quant import quant_partial_rows
 
-    # the default launch first, then one knob at a time, then both dots at each tile size and warp count
-    settings = [dict(block=64, num_warps=4, dot_f32=True, waves=2), dict(block=64, num_warps=4, dot_f32=False, waves=2)]
-    settings += [dict(block=64, num_warps=4, dot_f32=f, waves=wv) for wv in (1, 4) for f in (True, False)]
-    settings += [dict(block=b, num_warps=w, dot_f32=f, waves=2) for b in (32, 64, 128) for w in (4, 8)
-                 for f in (True, False) if (b, w) != (64, 4)]
+    # the general kernel's launch as it was, then the row-wise kernel under each setting
+    settings = [dict(kernel="general", block=64, num_warps=4, dot_f32=True, waves=2),
+                dict(kernel="general", block=64, num_warps=4, dot_f32=False, waves=2)]
+    settings += [dict(kernel="rows", num_warps=w, dot_f32=False, waves=wv) for w in (4, 8) for wv in (2, 4, 1, 8)]
+    settings += [dict(kernel="rows", num_warps=w, dot_f32=True, waves=2) for w in (4, 8)]
     cases = []
     for bits, group in ((4, 32), (2, 64)):
         for batch in (1, 8):
@@ -455,10 +474,12 @@ def kernel_sweep(device: str, opts: CheckOptions, deadline: Deadline) -> list[di
                 rows.append(dict(setting="(budget spent)"))
                 return rows
             row = dict(base, **s)
+            knobs = {k: v for k, v in s.items() if k != "kernel"}
+            fn = quant_partial_triton if s["kernel"] == "general" else quant_partial_rows
             try:
-                got = quant_partial_triton(q, seg, None, **s)
+                got = fn(q, seg, None, **knobs)
                 row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
-                row["ms"] = time_ms(lambda: quant_partial_triton(q, seg, None, **s), opts.iters, device)
+                row["ms"] = time_ms(lambda: fn(q, seg, None, **knobs), opts.iters, device)
                 row["gb_per_s"] = seg.nbytes() / row["ms"] / 1e6
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
@@ -492,6 +513,12 @@ def generate_timing(device: str, opts: CheckOptions, deadline: Deadline) -> list
             rows.append(dict(cache="(budget spent)"))
             break
         kwargs = {} if name == "dynamic" else dict(cache_implementation=name)
+        try:  # compiles this cache's kernels outside the timings (a short prompt, a few decode steps)
+            with torch.no_grad():
+                model.generate(ids[:, :300], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                               **kwargs)
+        except Exception:
+            pass  # the timed calls below report the error
         row = dict(model=f"{opts.model} architecture, random weights, bf16", prompt=opts.prompt_tokens, cache=name)
         try:
             def gen(n):
@@ -590,7 +617,7 @@ def render_markdown(data: dict) -> str:
                                         "scale_err", "error"]),
                        ("decode", ["head_dim", "batch", "tokens", "cache", "ms", "vs_sdpa", "bytes", "gb_per_s",
                                    "bw_share", "segments", "error"]),
-                       ("sweep", ["head_dim", "bits", "group", "batch", "block", "num_warps", "dot_f32", "waves", "ms",
+                       ("sweep", ["head_dim", "bits", "group", "batch", "kernel", "block", "num_warps", "dot_f32", "waves", "ms",
                                   "gb_per_s", "max_err", "error", "setting"]),
                        ("generate", ["model", "prompt", "cache", "prefill_s", "decode_tok_s", "vs_dynamic",
                                      "peak_gib", "new_tokens", "error"])):
@@ -614,3 +641,15 @@ def main_args(args: argparse.Namespace) -> int:
     print((args.out / "gpu_check.md").read_text())
     failed = [r for r in data.get("correctness", []) if isinstance(r, dict) and r.get("ok") is False]
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m hf_kvcache.eval.gpu_check`: the same as `hf-kvcache gpu-check`, importing nothing else of the CLI
+    (a GPU machine may lack the codec's packages)."""
+    p = argparse.ArgumentParser(prog="python -m hf_kvcache.eval.gpu_check", description=__doc__.split("\n")[0])
+    add_arguments(p)
+    return main_args(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

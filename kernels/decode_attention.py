@@ -94,6 +94,7 @@ def decode_attention(
     total = sum(s.tokens for s in segments)
     if use_triton is None:
         use_triton = query.is_cuda
+    dot_f32 = query.dtype == torch.float32  # the GPU kernels' dots: fp32 for fp32 models, else fp16 operands
     if not (return_mass or use_triton or use_native is False or overlays or q_len != 1):
         part = _token_step_native(q, segments, attention_mask, total, group)
         if part is not None:
@@ -113,7 +114,8 @@ def decode_attention(
             # the torch path masks per query row (a sliding window hides old keys from the later rows of a chunk)
             seg_mask = rows_mask(cmask, group) if cmask is not None and cmask.shape[2] > 1 else cmask
         if isinstance(seg, TokenSegment):  # a kernel where one serves, else decoded into the dense partial
-            part = None if return_mass else _token_kernel_partial(q, seg, key_valid, seg_mask, use_triton, use_native)
+            part = None if return_mass else _token_kernel_partial(q, seg, key_valid, seg_mask, use_triton, use_native,
+                                                                  dot_f32)
             if part is not None:
                 partials.append(part)
             else:
@@ -130,9 +132,7 @@ def decode_attention(
             kernel = (use_triton or seg_native) and _one_key_mask(seg_mask)
             seg_triton = kernel and use_triton
             if seg_triton:
-                from .triton_decode import quant_partial_triton
-
-                part = quant_partial_triton(q_seg, seg, key_valid)
+                part = _quant_partial_triton(q_seg, seg, key_valid, dot_f32)
             elif kernel:
                 part = native.quant_partial_native(q_seg, seg, key_valid)
             else:
@@ -173,7 +173,20 @@ def decode_attention(
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
 
 
-def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton: bool, use_native: bool | None):
+def _quant_partial_triton(q, seg: QuantSegment, key_valid, dot_f32: bool):
+    """The partial of a Triton kernel over a KIVI-layout segment: the row-wise kernel (`triton_quant`) where it serves
+    the widths and shapes, else the general one (`triton_decode`)."""
+    from . import triton_quant
+
+    if triton_quant.supports(q, seg):
+        return triton_quant.quant_partial_rows(q, seg, key_valid, dot_f32=dot_f32)
+    from .triton_decode import quant_partial_triton
+
+    return quant_partial_triton(q, seg, key_valid, dot_f32=dot_f32)
+
+
+def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton: bool, use_native: bool | None,
+                          dot_f32: bool = True):
     """The partial of the kernel that serves this per-token segment (Triton on CUDA, else the native CPU kernel), or
     None where none does (a per-row mask, a shape without a variant, the native kernel turned off)."""
     if not _one_key_mask(seg_mask):
@@ -181,7 +194,7 @@ def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton:
     if use_triton:
         from .triton_tokens import supports_tokens, token_partial_triton
 
-        return token_partial_triton(q, seg, key_valid) if supports_tokens(q, seg) else None
+        return token_partial_triton(q, seg, key_valid, dot_f32=dot_f32) if supports_tokens(q, seg) else None
     if use_native is not False and native.supports_tokens(q, seg):
         return native.token_partial_native(q, seg, key_valid)
     return None

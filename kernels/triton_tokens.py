@@ -94,8 +94,11 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
             and d in (16, 32, 64, 128, 256))
 
 
-def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None):
-    """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged."""
+def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
+                         dot_f32: bool | None = None):
+    """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged; `dot_f32`: the
+    IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under the
+    interpreter)."""
     b, h, m, d = q.shape
     n_tok = seg.tokens
     qp, m_pad = padded_rows(q)
@@ -113,7 +116,7 @@ def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
     else:
         frame, stats_batched, pos_batched, scaling = [qp, qp, qp, qp], 0, 0, 1.0
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else parts[0]
-    dot_f32 = interpreting() or q.dtype == torch.float32
+    dot_f32 = interpreting() or (q.dtype == torch.float32 if dot_f32 is None else dot_f32)
     n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad)
     _token_attn_kernel[(b * h, n_split)](
         qp, *parts, *frame, valid, m_out, l_out, acc_out, n_tok, h, per_split, parts[0].shape[-1],

@@ -35,6 +35,7 @@ class Variant:
     constexprs: tuple[tuple[str, object], ...]
     divisible: tuple[str, ...]  # arguments compiled as multiples of 16 (aligned pointers, aligned counts)
     use: str  # where the library launches it
+    num_warps: int = 4  # warps per program at the launch site
 
     @property
     def params(self) -> dict:
@@ -162,7 +163,7 @@ def compile_kernel(v: Variant, arch: int = ARCH):
     signature = {n: ("constexpr" if n in consts else sig[n]) for n in fn.arg_names}
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in v.divisible}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32))
+                              target=GPUTarget("cuda", arch, 32), options={"num_warps": v.num_warps})
     if "cubin" not in compiled.asm:
         raise RuntimeError(f"{v.label()} produced no cubin")
     return compiled
