@@ -192,7 +192,8 @@ def quant_partial_triton(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     _quant_attn_kernel[(b * h, n_split)](
         qp, *parts, valid, m_out, l_out, acc_out, n_tok, h, per_split, parts[0].shape[-1], parts[3].shape[-1],
         HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, BLOCK=block, K_BITS=seg.k_bits, V_BITS=seg.v_bits,
-        K_GROUP=seg.k_group, V_GROUP=seg.v_group, DOT_F32=default_f32 if dot_f32 is None else (dot_f32 or interpreting()),
+        K_GROUP=seg.k_group, V_GROUP=seg.v_group,
+        DOT_F32=default_f32 if dot_f32 is None else (dot_f32 or interpreting()),
         num_warps=num_warps,
     )
     return merge_splits(m_out, l_out, acc_out, q.shape)

@@ -28,6 +28,11 @@ from .segments import QuantSegment
 from .triton_decode import interpreting, merge_splits
 
 
+# the launch defaults, read off the H200 sweep (docs/gpu/README.md): 4 warps; splits of at most ~2K tokens (a program
+# that walks more tiles leaves the memory system idle between them), at least 2 programs per SM
+SPLIT_TOKENS = 2048
+
+
 @triton.jit
 def _code_rows(base, t, tmask, row_stride, BLOCK: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """Codes `[BLOCK, D]` (int32) of tokens `t`: each token's packed row read as bytes, unpacked by shifts (code d at
@@ -128,14 +133,15 @@ def supports(q: torch.Tensor, seg: QuantSegment) -> bool:
 
 
 def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,
-                       dot_f32: bool | None = None, num_warps: int | None = None, waves: int = 2):
+                       dot_f32: bool | None = None, num_warps: int = 4, waves: int = 2,
+                       split_tokens: int = SPLIT_TOKENS):
     """(m, l, acc) of `q` [B, Hkv, M, D] (float32, already scaled) over `seg`, split along tokens then merged.
 
     Args:
         key_valid: `[B, T]` bool (True = attend) or None.
         dot_f32: IEEE fp32 dots (None: under the interpreter only); False runs fp16 operands, fp32 accumulation.
-        num_warps: warps per program (None: 8 at head dim 128, where 4 warps hold twice the registers per thread and
-            halve the occupancy on sm_90; else 4). waves: programs per SM the token splits aim at.
+        num_warps: warps per program. waves: programs per SM the token splits aim at at least.
+        split_tokens: tokens per split at most (more splits where batch x heads already fill the waves).
     Returns:
         m, l `[B, Hkv, M]` and acc `[B, Hkv, M, D]` (float32).
     """
@@ -145,7 +151,8 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
     m_pad = max(16, triton.next_power_of_2(m))
     block = seg.k_group
     sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
-    n_split = max(1, min(triton.cdiv(n_tok, block), triton.cdiv(waves * sms, b * h)))
+    wanted = max(triton.cdiv(waves * sms, b * h), triton.cdiv(n_tok, split_tokens))
+    n_split = max(1, min(triton.cdiv(n_tok, block), wanted))
     per_split = triton.cdiv(triton.cdiv(n_tok, n_split), block) * block
     n_split = triton.cdiv(n_tok, per_split)
     out = torch.empty(b * h, n_split, m_pad, d + 2, device=q.device, dtype=torch.float32)
@@ -154,8 +161,6 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else parts[0]
     if dot_f32 is None:
         dot_f32 = interpreting()
-    if num_warps is None:
-        num_warps = 8 if d == 128 else 4
     _quant_attn_rows_kernel[(b * h, n_split)](
         q, *parts, valid, out, n_tok, h, m, per_split, parts[0].shape[-1], parts[3].shape[-1],
         HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, K_BITS=seg.k_bits, V_BITS=seg.v_bits,

@@ -1,0 +1,496 @@
+"""The sections of `hf-kvcache gpu-check` (see `hf_kvcache.eval.gpu_check`): environment, copy bandwidth, kernel
+correctness against the torch reference, decode-attention timing per cache against SDPA, the launch-knob sweep and
+`generate` tokens/s. Each takes the device, the check's options and a `Deadline`, and returns rows (dicts)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import platform
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+class Deadline:
+    def __init__(self, seconds: float) -> None:
+        self.end = time.monotonic() + seconds
+
+    def passed(self) -> bool:
+        return time.monotonic() > self.end
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
+    """Median milliseconds of `iters` calls after two warm-up calls (CUDA events on a GPU)."""
+    for _ in range(2):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(iters):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+# architectures of zoo models (the values their GGUF headers carry), for the random-weight generate timing
+ARCHITECTURES = {
+    "qwen2.5-coder-0.5b": dict(
+        model_type="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=True),
+    "smollm2-135m": dict(
+        model_type="llama", hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True),
+}
+
+
+# ---- environment and bandwidth --------------------------------------------------------------------------------------
+def environment(device: str) -> dict:
+    import transformers
+
+    env = dict(python=platform.python_version(), torch=torch.__version__, transformers=transformers.__version__,
+               device=device)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError as exc:
+        env["triton"] = f"not importable: {exc}"
+    if device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(device)
+        env.update(gpu=p.name, sms=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
+                   capability=f"{p.major}.{p.minor}", cuda=torch.version.cuda)
+    return env
+
+
+def copy_bandwidth(device: str, dry: bool) -> dict:
+    """Device-to-device copy of a buffer several times the L2: (bytes read + written) / time."""
+    n = (1 << 20) if dry else (1 << 30)  # bytes per buffer
+    a = torch.empty(n, dtype=torch.uint8, device=device)
+    b = torch.empty_like(a)
+    ms = time_ms(lambda: b.copy_(a), 5 if dry else 20, device)
+    return dict(bytes=n, ms=ms, gb_per_s=2 * n / ms / 1e6)
+
+
+# ---- moving segments ------------------------------------------------------------------------------------------------
+def to_device(obj, device: str):
+    """A copy of a segment (nested dataclasses of tensors) with every tensor on `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: to_device(getattr(obj, f.name), device) for f in dataclasses.fields(obj)
+                   if f.init and _holds_tensor(getattr(obj, f.name))}
+        return dataclasses.replace(obj, **changes) if changes else obj
+    if hasattr(obj, "__dict__") and _holds_tensor(obj):  # a small non-dataclass holder (a rotation, a RoPE)
+        import copy
+
+        clone = copy.copy(obj)
+        for k, v in vars(obj).items():
+            if _holds_tensor(v):
+                setattr(clone, k, to_device(v, device))
+        return clone
+    return obj
+
+
+def _holds_tensor(obj) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return any(_holds_tensor(getattr(obj, f.name)) for f in dataclasses.fields(obj))
+    if hasattr(obj, "__dict__") and not isinstance(obj, type):
+        return any(isinstance(v, torch.Tensor) for v in vars(obj).values())
+    return False
+
+
+def segment_bytes(segments) -> int:
+    """Bytes a decode step reads from `segments` (codes, scales, zeros, full-precision tokens)."""
+    from hf_kvcache.kernels.segments import FullSegment, QuantSegment
+
+    total = 0
+    for s in segments:
+        if isinstance(s, FullSegment):
+            total += s.keys.nbytes + s.values.nbytes
+        elif isinstance(s, QuantSegment):
+            total += s.nbytes()
+        else:
+            total += sum(t.nbytes for t in (*s.keys.tensors(), *s.values.tensors()))
+    return total
+
+
+# ---- correctness ----------------------------------------------------------------------------------------------------
+def kivi_case(b: int, h: int, t: int, d: int, bits: int, group: int, seed: int):
+    """A KIVI-layout `QuantSegment` (CPU, torch quantizer) of random keys with channel offsets, and a full tail."""
+    from hf_kvcache.kernels.kivi_pack import kivi_keys_reference, kivi_values_reference
+    from hf_kvcache.kernels.segments import FullSegment, QuantSegment
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, t, d, generator=g) + 3 * torch.randn(1, h, 1, d, generator=g)
+    v = torch.randn(b, h, t, d, generator=g)
+    kc, ks, kz = kivi_keys_reference(k, bits, group)
+    vc, vs, vz = kivi_values_reference(v, bits, min(group, d))
+    seg = QuantSegment(kc, ks, kz, vc, vs, vz, bits, bits, group, min(group, d), d)
+    tail = FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))
+    return seg, tail
+
+
+def token_case(b: int, h: int, t: int, d: int, dtype: str, prerope: bool, seed: int):
+    """A per-token `TokenSegment` of the uniform cache's format (CPU), keys pre-RoPE when `prerope`."""
+    from hf_kvcache.caches.uniform import UniformPreRopeKeys, UniformQuantOptions
+    from hf_kvcache.kernels.segments import TokenSegment
+    from hf_kvcache.rope import KeyRotation
+
+    g = torch.Generator().manual_seed(seed)
+    options = UniformQuantOptions(dtype=dtype)
+    options.validate()
+    k = torch.randn(b, h, t, d, generator=g) + 4 * torch.randn(1, h, 1, d, generator=g)
+    v = torch.randn(b, h, t, d, generator=g)
+    if not prerope:
+        return TokenSegment(options.quantize(k), options.quantize(v))
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), attention_scaling=1.0)
+    codec = UniformPreRopeKeys(rope, options.bits, scale_power=0.5, per_row=True, options=options)
+    positions = torch.arange(t).view(1, 1, t)
+    pre = codec.derotate(k, positions)
+    codec.fit(pre)
+    return TokenSegment(codec.quantize_pre(pre), options.quantize(v), codec, positions)
+
+
+def _compare(query, segments, device: str, qdtype: torch.dtype, mask=None, mass: bool = False) -> dict:
+    """decode_attention on `device` vs reference_attention on the CPU (fp32): max abs errors of output and mass."""
+    from hf_kvcache.kernels.decode_attention import decode_attention, reference_attention
+
+    ref_out, ref_mass = reference_attention(query.float(), segments, mask)
+    dev = [to_device(s, device) for s in segments]
+    out, got_mass = decode_attention(query.to(device, qdtype), dev, None if mask is None else mask.to(device),
+                                     return_mass=mass)
+    row = dict(out_err=float((out.float().cpu() - ref_out).abs().max()),
+               out_scale=float(ref_out.abs().max()))
+    if mass:
+        row["mass_err"] = float((got_mass.cpu() - ref_mass).abs().max())
+    return row
+
+
+def correctness(device: str, opts, deadline: Deadline) -> list[dict]:
+    rows: list[dict] = []
+    dims = opts.head_dims if opts.dry_run else (128, 64, 256)
+    t = 96 if opts.dry_run else 1000
+    for i, d in enumerate(dims):  # every kernel at the first head dim before the others
+        for block in (_kivi_cases, _token_cases, _pack_cases):
+            if deadline.passed():
+                rows.append(dict(case="(budget spent: the remaining cases were not run)"))
+                return rows
+            rows += block(device, d, t, deadline, seed=100 * i)
+    return rows
+
+
+def _kivi_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    """KIVI-layout segments of every width / group at head dim `d`: a plain decode, a padded batch with the mass, a
+    wide GQA group (queries alternate bf16 / fp16)."""
+    rows = []
+    formats = [(2, 64), (4, 32), (2, 32), (8, 32)]  # archive, warm, KIVI-2, 8-bit option
+    shapes = ((1, False, False), (4, True, True), (8, False, False))
+    for bits, group in formats:
+        for gqa, masked, mass in shapes:
+            if deadline.passed():
+                return rows
+            seed += 1
+            tq = t - t % group
+            seg, tail = kivi_case(2, 2, tq, d, bits, group, seed)
+            q = torch.randn(2, 2 * gqa, 1, d, generator=torch.Generator().manual_seed(seed))
+            mask = None
+            if masked:
+                mask = torch.ones(2, 1, 1, tq + tail.tokens, dtype=torch.bool)
+                mask[1, ..., : tq // 3] = False  # left padding of the second row
+            qdtype = torch.bfloat16 if seed % 2 else torch.float16
+            case = dict(case=f"kivi d={d} bits={bits} group={group} gqa={gqa} mask={masked} mass={mass}",
+                        qdtype=str(qdtype).removeprefix("torch."))
+            rows.append(_run_case(case, lambda: _compare(q, [seg, tail], device, qdtype, mask, mass=mass)))
+    return rows
+
+
+def _token_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    """Per-token segments (int4 / int8, keys as they come or pre-RoPE) at head dim `d`."""
+    rows = []
+    for dtype in ("int4", "int8"):
+        for prerope in (False, True):
+            if deadline.passed():
+                return rows
+            seed += 1
+            seg = token_case(2, 2, t, d, dtype, prerope, seed)
+            q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(seed))
+            case = dict(case=f"tokens d={d} {dtype} prerope={prerope}", qdtype="bfloat16")
+            rows.append(_run_case(case, lambda: _compare(q, [seg], device, torch.bfloat16)))
+    return rows
+
+
+def _pack_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    return pack_correctness(device, (d,), t)
+
+
+
+def pack_correctness(device: str, dims, t: int) -> list[dict]:
+    """The KIVI pack kernels on `device` against the torch quantizer: share of codes that differ, max scale error."""
+    from hf_kvcache.kernels.kivi_pack import (kivi_keys_reference, kivi_quantize_keys, kivi_quantize_values,
+                                              kivi_values_reference)
+
+    rows = []
+    for d in dims:
+        for bits, group in ((2, 64), (4, 32)):
+            x = torch.randn(1, 2, t - t % group, d, generator=torch.Generator().manual_seed(d + bits))
+            for what, fast, ref, grp in (("keys", kivi_quantize_keys, kivi_keys_reference, group),
+                                         ("values", kivi_quantize_values, kivi_values_reference, min(group, d))):
+                def run(fast=fast, ref=ref, grp=grp):
+                    got = [y.cpu() for y in fast(x.to(device, torch.bfloat16), bits, grp)]
+                    want = ref(x.to(torch.bfloat16), bits, grp)
+                    return dict(codes_differ=float((got[0] != want[0]).float().mean()),
+                                scale_err=float((got[1].float() - want[1].float()).abs().max()))
+                rows.append(_run_case(dict(case=f"pack {what} d={d} bits={bits} group={grp}", qdtype="bfloat16"),
+                                      run))
+    return rows
+
+
+def _run_case(case: dict, fn: Callable[[], dict]) -> dict:
+    try:
+        case.update(fn())
+        case["ok"] = case.get("out_err", 0.0) <= 2e-2 * max(1.0, case.get("out_scale", 1.0)) and \
+            case.get("mass_err", 0.0) <= 1e-2 and case.get("codes_differ", 0.0) <= 1e-3
+    except Exception as exc:  # a kernel that does not compile or run is a result, not the end of the check
+        case.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:400])
+    return case
+
+
+# ---- decode timing --------------------------------------------------------------------------------------------------
+def sdpa_call(q, k, v):
+    """SDPA over the bf16 cache, on the flash backend where it takes the shape; (function, backend name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION):
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        try:
+            fn()
+            return fn, backend.name.lower()
+        except RuntimeError:
+            continue
+    return (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)), "default"
+
+
+def fill_cache(name: str, k: torch.Tensor, v: torch.Tensor, chunk: int = 4096):
+    """A cache of ours named `name`, its layer 0 fed `k`, `v` in chunks (a chunked prefill), and the layer."""
+    from hf_kvcache.registry import build_cache
+
+    cache = build_cache(name)
+    for s in range(0, k.shape[2], chunk):
+        cache.update(k[:, :, s : s + chunk], v[:, :, s : s + chunk], 0)
+    return cache, cache.layers[0]
+
+
+def decode_timing(device: str, opts, deadline: Deadline, copy_gbps: float | None) -> list[dict]:
+    from hf_kvcache.kernels.decode_attention import decode_attention
+    from hf_kvcache.kernels.segments import FullSegment
+
+    rows: list[dict] = []
+    dtype = torch.bfloat16
+    for tokens in opts.lengths:
+        for d in opts.head_dims:
+            for batch in opts.batches:
+                if deadline.passed():
+                    rows.append(dict(cache="(budget spent: the remaining cases were not run)"))
+                    return rows
+                g = torch.Generator(device=device).manual_seed(tokens + d)
+                shape = (batch, opts.kv_heads, tokens, d)
+                k = torch.randn(shape, generator=g, device=device, dtype=dtype)
+                v = torch.randn(shape, generator=g, device=device, dtype=dtype)
+                q = torch.randn(batch, opts.kv_heads * opts.group, 1, d, generator=g, device=device, dtype=dtype)
+                base = dict(head_dim=d, batch=batch, tokens=tokens)
+                try:
+                    fn, backend = sdpa_call(q, k, v)
+                    sdpa_ms = time_ms(fn, opts.iters, device)
+                    nbytes = k.nbytes + v.nbytes
+                    rows.append(dict(base, cache=f"sdpa bf16 ({backend})", ms=sdpa_ms, bytes=nbytes,
+                                     gb_per_s=nbytes / sdpa_ms / 1e6, vs_sdpa=1.0,
+                                     bw_share=_share(nbytes, sdpa_ms, copy_gbps)))
+                except Exception as exc:
+                    sdpa_ms = None
+                    rows.append(dict(base, cache="sdpa bf16", error=f"{type(exc).__name__}: {exc}"[:300]))
+                new_k = torch.randn(batch, opts.kv_heads, 1, d, generator=g, device=device, dtype=dtype)
+                new_v = torch.randn_like(new_k)
+                for name in opts.caches:
+                    if deadline.passed():
+                        break
+                    try:
+                        cache, layer = fill_cache(name, k, v)
+                        segments = [*layer.attention_segments(), FullSegment(new_k, new_v)]
+                        ms = time_ms(lambda q=q, segments=segments: decode_attention(q, segments), opts.iters, device)
+                        nbytes = segment_bytes(segments)
+                        rows.append(dict(base, cache=name, ms=ms, bytes=nbytes, gb_per_s=nbytes / ms / 1e6,
+                                         vs_sdpa=None if sdpa_ms is None else sdpa_ms / ms,
+                                         bw_share=_share(nbytes, ms, copy_gbps),
+                                         segments=" + ".join(_describe(s) for s in segments)))
+                        del cache, layer, segments
+                    except Exception as exc:
+                        rows.append(dict(base, cache=name, error=f"{type(exc).__name__}: {exc}"[:300],
+                                         trace=traceback.format_exc(limit=4)[-800:]))
+                del k, v, q
+                if device.startswith("cuda"):
+                    torch.cuda.empty_cache()
+    return rows
+
+
+def _share(nbytes: int, ms: float, copy_gbps: float | None) -> float | None:
+    """The achieved read bandwidth as a share of the measured copy bandwidth (bytes read + written per second)."""
+    return None if not copy_gbps else (nbytes / ms / 1e6) / copy_gbps
+
+
+def _describe(seg) -> str:
+    from hf_kvcache.kernels.segments import FullSegment, QuantSegment
+
+    if isinstance(seg, QuantSegment):
+        return f"kivi{seg.k_bits}/{seg.k_group}x{seg.tokens}"
+    if isinstance(seg, FullSegment):
+        return f"full{'@' + str(seg.overlay_at) if seg.overlay_at is not None else ''}x{seg.tokens}"
+    return f"tok{seg.keys.bits}{'pre' if seg.key_codec is not None else ''}x{seg.tokens}"
+
+
+# ---- launch-knob sweep ----------------------------------------------------------------------------------------------
+def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
+    """The KIVI-layout decode kernels at 32K tokens, head dim 128, under each launch setting (the general kernel as it
+    launched before, the row-wise kernel's warps / programs per SM / dots); errors against the general fp32 launch."""
+    rows: list[dict] = []
+    if not device.startswith("cuda"):
+        return [dict(setting="(needs CUDA: the sweep launches the Triton kernel directly)")]
+    from hf_kvcache.kernels.kivi_pack import kivi_quantize_keys, kivi_quantize_values
+    from hf_kvcache.kernels.segments import QuantSegment
+    from hf_kvcache.kernels.triton_decode import quant_partial_triton
+    from hf_kvcache.kernels.triton_quant import quant_partial_rows
+
+    # the general kernel's launch as it was, then the row-wise kernel under each setting
+    settings = [dict(kernel="general", block=64, num_warps=4, dot_f32=True, waves=2),
+                dict(kernel="general", block=64, num_warps=4, dot_f32=False, waves=2)]
+    settings += [dict(kernel="rows", num_warps=w, dot_f32=False, waves=wv) for w in (4, 8) for wv in (2, 4, 1, 8)]
+    settings += [dict(kernel="rows", num_warps=w, dot_f32=True, waves=2) for w in (4, 8)]
+    cases = []
+    for bits, group in ((4, 32), (2, 64)):
+        for batch in (1, 8):
+            d = 128
+            g = torch.Generator(device=device).manual_seed(d * bits + batch)
+            shape = (batch, opts.kv_heads, 32768, d)
+            k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+            v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
+            seg = QuantSegment(*kivi_quantize_keys(k, bits, group), *kivi_quantize_values(v, bits, min(group, d)),
+                               bits, bits, group, min(group, d), d)
+            q = torch.randn(batch, opts.kv_heads, opts.group, d, generator=g, device=device) / math.sqrt(d)
+            cases.append((dict(head_dim=d, bits=bits, group=group, batch=batch), seg, q,
+                          quant_partial_triton(q, seg, None)))
+            del k, v
+    for s in settings:  # every case under one setting before the next, so a cut-off run still compares settings
+        for base, seg, q, ref in cases:
+            if deadline.passed():
+                rows.append(dict(setting="(budget spent)"))
+                return rows
+            row = dict(base, **s)
+            knobs = {k: v for k, v in s.items() if k != "kernel"}
+            fn = quant_partial_triton if s["kernel"] == "general" else quant_partial_rows
+            try:
+                got = fn(q, seg, None, **knobs)
+                row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
+                row["ms"] = time_ms(lambda: fn(q, seg, None, **knobs), opts.iters, device)
+                row["gb_per_s"] = seg.nbytes() / row["ms"] / 1e6
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+    return rows
+
+
+# ---- generate -------------------------------------------------------------------------------------------------------
+def random_model(name: str, device: str, dtype: torch.dtype):
+    """A model of the zoo architecture `name` with random weights (seeded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    spec = dict(ARCHITECTURES[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+class TokenClock:
+    """A `generate` streamer that stamps the time (after a device sync) at each `put`: the prompt, then every new
+    token, so prefill and decode are timed apart inside one call."""
+
+    def __init__(self, device: str) -> None:
+        self.device = device
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        sync(self.device)
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate_timing(device: str, opts, deadline: Deadline) -> list[dict]:
+    import hf_kvcache  # noqa: F401  (registers the cache names with generate)
+
+    dtype = torch.bfloat16
+    model = random_model(opts.model, device, dtype)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, opts.prompt_tokens), generator=torch.Generator().manual_seed(1)).to(device)
+    rows = []
+    for name in opts.generate_caches:
+        if deadline.passed():
+            rows.append(dict(cache="(budget spent)"))
+            break
+        kwargs = {} if name == "dynamic" else dict(cache_implementation=name)
+        try:  # compiles this cache's kernels outside the timings (a short prompt, a few decode steps)
+            with torch.no_grad():
+                model.generate(ids[:, :300], max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                               **kwargs)
+        except Exception:
+            pass  # the timed calls below report the error
+        row = dict(model=f"{opts.model} architecture, random weights, bf16", prompt=opts.prompt_tokens, cache=name)
+        try:
+            if device.startswith("cuda"):
+                torch.cuda.reset_peak_memory_stats()
+            clock = TokenClock(device)
+            sync(device)
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = model.generate(ids, max_new_tokens=opts.new_tokens + 1, min_new_tokens=opts.new_tokens + 1,
+                                     do_sample=False, pad_token_id=0, streamer=clock, **kwargs)
+            sync(device)
+            first, last = clock.stamps[1], clock.stamps[-1]  # stamps[0] is the prompt, [1] the prefill's token
+            row.update(prefill_s=first - t0, decode_tok_s=(len(clock.stamps) - 2) / (last - first),
+                       new_tokens=int(out.shape[1] - ids.shape[1]))
+            if device.startswith("cuda"):
+                row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        except Exception as exc:
+            row.update(error=f"{type(exc).__name__}: {exc}"[:300], trace=traceback.format_exc(limit=6)[-1200:])
+        rows.append(row)
+    base = next((r for r in rows if r.get("cache") == "dynamic" and "decode_tok_s" in r), None)
+    for r in rows:
+        if base and "decode_tok_s" in r:
+            r["vs_dynamic"] = r["decode_tok_s"] / base["decode_tok_s"]
+    return rows
+
+
