@@ -21,7 +21,8 @@ HEAD_DIMS = (64, 128, 256)
 BITS = (2, 4, 8)
 GROUPS = (32, 64)  # tokens per key group: 32 = tiered warm tier and KIVI, 64 = tiered archive
 DTYPES = ("fp16", "bf16")
-KERNELS = ("_quant_attn_kernel", "_quant_mass_kernel", "_token_attn_kernel", "_keys_kernel", "_values_kernel")
+KERNELS = ("_quant_attn_rows_kernel", "_quant_attn_kernel", "_quant_mass_kernel", "_token_attn_kernel", "_keys_kernel",
+           "_values_kernel")
 # the uniform caches' per-token formats the token kernel reads: (bits, channels per scale (None: the head), zeros)
 TOKEN_FORMATS = ((4, 32, False), (8, None, False))
 TIER_OF = {(2, 64): "tiered archive", (4, 32): "tiered warm", (2, 32): "KIVI-2"}
@@ -87,10 +88,35 @@ def decode_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, m_pads=(16,),
     return out
 
 
+def rows_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, kernels=KERNELS) -> list[Variant]:
+    """`_quant_attn_rows_kernel` (`decode_attention` -> `triton_quant.quant_partial_rows`, every KIVI-layout segment
+    of 2 / 4 / 8 bits on CUDA): fp16 operand dots (models in fp16 / bf16) and fp32 dots (fp32 models), with and
+    without a key mask, M_PAD 16, 4 warps (the launch default)."""
+    if "_quant_attn_rows_kernel" not in kernels:
+        return []
+    out = []
+    for d in head_dims:
+        for b in bits:
+            for g in groups:
+                tier = TIER_OF.get((b, g), "tiered/KIVI option")
+                for dot_f32 in (False, True):
+                    for has_valid in (False, True):
+                        sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, vc_ptr=P8, vs_ptr=P16, vz_ptr=P16,
+                                   valid_ptr=I8 if has_valid else P8, out_ptr=P32, n_tok=I32, kv_heads=I32,
+                                   n_rows=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32)
+                        c = dict(HAS_VALID=has_valid, M_PAD=16, D=d, K_BITS=b, V_BITS=b, K_GROUP=g,
+                                 V_GROUP=min(g, d), DOT_F32=dot_f32)
+                        use = f"{tier}, decode, {'fp32 model' if dot_f32 else 'fp16/bf16 model'}"
+                        out.append(Variant("triton_quant", "_quant_attn_rows_kernel", tuple(sig.items()),
+                                           tuple(c.items()),
+                                           _ptrs(sig) + ("n_tok", "tokens_per_split", "kc_row", "vc_row"), use))
+    return out
+
+
 def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
     """`_token_attn_kernel` (`decode_attention` -> `token_partial_triton`, the uniform caches on CUDA): int4 / int8 at
     their default groups (symmetric: no zeros), keys pre-RoPE (the default) or as they come, with and without a
-    validity mask; queries fp32 (DOT_F32=True), M_PAD 16."""
+    validity mask; fp16 operand dots (fp16 / bf16 models) and fp32 dots (fp32 models), M_PAD 16."""
     if "_token_attn_kernel" not in kernels:
         return []
     out = []
@@ -98,17 +124,19 @@ def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
         for bits, group, zeros in TOKEN_FORMATS:
             for prerope in (True, False):
                 for has_valid in (False, True):
-                    sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, vc_ptr=P8, vs_ptr=P16, vz_ptr=P16,
-                               shift_ptr=P32, cscale_ptr=P32, pos_ptr="*i32" if prerope else P32, freq_ptr=P32,
-                               valid_ptr=I8 if has_valid else P8, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
-                               kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32, stats_batched=I32,
-                               pos_batched=I32, rope_scaling="fp32")
-                    c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=BLOCK_T, K_BITS=bits,
-                             V_BITS=bits, K_GROUP=group or d, V_GROUP=group or d, K_ZERO=zeros, V_ZERO=zeros,
-                             DOT_F32=True)
-                    use = f"int{bits}, keys {'pre-RoPE' if prerope else 'as they come'}, decode"
-                    out.append(Variant("triton_tokens", "_token_attn_kernel", tuple(sig.items()), tuple(c.items()),
-                                       _ptrs(sig) + ("tokens_per_split",), use))
+                    for dot_f32 in (False, True):
+                        sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, vc_ptr=P8, vs_ptr=P16, vz_ptr=P16,
+                                   shift_ptr=P32, cscale_ptr=P32, pos_ptr="*i32" if prerope else P32, freq_ptr=P32,
+                                   valid_ptr=I8 if has_valid else P8, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
+                                   kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32, stats_batched=I32,
+                                   pos_batched=I32, rope_scaling="fp32")
+                        c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=BLOCK_T, K_BITS=bits,
+                                 V_BITS=bits, K_GROUP=group or d, V_GROUP=group or d, K_ZERO=zeros, V_ZERO=zeros,
+                                 DOT_F32=dot_f32)
+                        use = (f"int{bits}, keys {'pre-RoPE' if prerope else 'as they come'}, decode, "
+                               f"{'fp32 model' if dot_f32 else 'fp16/bf16 model'}")
+                        out.append(Variant("triton_tokens", "_token_attn_kernel", tuple(sig.items()),
+                                           tuple(c.items()), _ptrs(sig) + ("tokens_per_split",), use))
     return out
 
 
@@ -135,8 +163,9 @@ def pack_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, 
 
 def all_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, m_pads=(16,), fp16_dot=False,
                  kernels=KERNELS) -> list[Variant]:
-    return (decode_variants(head_dims, bits, groups, m_pads, fp16_dot, kernels) + token_variants(head_dims, kernels)
-            + pack_variants(head_dims, bits, groups, dtypes, kernels))
+    return (rows_variants(head_dims, bits, groups, kernels) + decode_variants(head_dims, bits, groups, m_pads, fp16_dot,
+                                                                               kernels)
+            + token_variants(head_dims, kernels) + pack_variants(head_dims, bits, groups, dtypes, kernels))
 
 
 def quick_variants() -> list[Variant]:
@@ -145,7 +174,8 @@ def quick_variants() -> list[Variant]:
     dec = decode_variants(head_dims=(64,), bits=(2,), groups=(64,))
     pack = pack_variants(head_dims=(64,), bits=(4,), groups=(32,), dtypes=("fp16",))
     tokens = token_variants(head_dims=(64,))
-    return [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + pack
+    rows = [v for v in rows_variants(head_dims=(64,), bits=(2,), groups=(64,)) if v.params["HAS_VALID"]][:1]
+    return rows + [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + pack
 
 
 def compile_kernel(v: Variant, arch: int = ARCH):
