@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import math
 import platform
-import statistics
 import time
 import traceback
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .suites.kernels import time_ms
 
 class Deadline:
     def __init__(self, seconds: float) -> None:
@@ -26,27 +27,6 @@ class Deadline:
 def sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
-
-
-def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
-    """Median milliseconds of `iters` calls after two warm-up calls (CUDA events on a GPU)."""
-    for _ in range(2):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
 
 
 # architectures of zoo models (the values their GGUF headers carry), for the random-weight generate timing

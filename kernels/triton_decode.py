@@ -64,6 +64,17 @@ def _program(q_ptr, kv_heads, M_PAD: tl.constexpr, D: tl.constexpr):
 
 
 @triton.jit
+def _segment_bases(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bh, n_tok, kc_row, vc_row, D: tl.constexpr,
+                   K_GROUP: tl.constexpr, NVG: tl.constexpr):
+    """The six pointers of one (batch, kv_head) row of a KIVI-layout segment: key codes, scales, zeros (one row per
+    group of K_GROUP tokens), value codes, scales, zeros (NVG per token)."""
+    ks = ks_ptr + bh * (n_tok // K_GROUP) * D
+    kz = kz_ptr + bh * (n_tok // K_GROUP) * D
+    return (kc_ptr + bh * n_tok * kc_row, ks, kz, vc_ptr + bh * n_tok * vc_row, vs_ptr + bh * n_tok * NVG,
+            vz_ptr + bh * n_tok * NVG)
+
+
+@triton.jit
 def _online_step(m_i, l_i, acc, s, v, valid, DOT_F32: tl.constexpr):
     """One tile of flash-decoding: scores `s [M_PAD, BLOCK]` (keys where `valid`), values `v [BLOCK, D]` folded into
     the running row max, row sum and unnormalized output."""
@@ -101,13 +112,9 @@ def _quant_attn_kernel(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
-    kc = kc_ptr + bh * n_tok * kc_row
-    ks = ks_ptr + bh * (n_tok // K_GROUP) * D
-    kz = kz_ptr + bh * (n_tok // K_GROUP) * D
-    vc = vc_ptr + bh * n_tok * vc_row
     NVG: tl.constexpr = D // V_GROUP
-    vs = vs_ptr + bh * n_tok * NVG
-    vz = vz_ptr + bh * n_tok * NVG
+    kc, ks, kz, vc, vs, vz = _segment_bases(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bh, n_tok, kc_row,
+                                            vc_row, D, K_GROUP, NVG)
     t_start = split * tokens_per_split
     t_end = tl.minimum(t_start + tokens_per_split, n_tok)
     for t0 in range(t_start, t_end, BLOCK):

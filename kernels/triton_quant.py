@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .segments import QuantSegment
-from .triton_decode import interpreting, merge_splits
+from .triton_decode import _segment_bases, interpreting, merge_splits
 
 
 # the launch defaults, read off the H200 sweep (docs/gpu/README.md): 4 warps; splits of at most ~2K tokens (a program
@@ -74,12 +74,8 @@ def _quant_attn_rows_kernel(
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
-    kc = kc_ptr + bh * n_tok * kc_row
-    ks = ks_ptr + bh * (n_tok // K_GROUP) * D
-    kz = kz_ptr + bh * (n_tok // K_GROUP) * D
-    vc = vc_ptr + bh * n_tok * vc_row
-    vs = vs_ptr + bh * n_tok * NVG
-    vz = vz_ptr + bh * n_tok * NVG
+    kc, ks, kz, vc, vs, vz = _segment_bases(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bh, n_tok, kc_row,
+                                            vc_row, D, K_GROUP, NVG)
     vg = tl.arange(0, NVG)
     t_start = split * tokens_per_split
     t_end = tl.minimum(t_start + tokens_per_split, n_tok)

@@ -29,3 +29,13 @@ def pydoc_text():
     from hf_kvcache.eval import load_text
 
     return load_text("pydoc")
+
+
+@pytest.fixture
+def single_thread():
+    """torch on one thread for the test (small tensor ops run faster unthreaded on a busy 2-core machine, and
+    results do not depend on how a GEMM splits its rows among threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

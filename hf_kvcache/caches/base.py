@@ -364,6 +364,9 @@ class CompressedCache(Cache):
 
     def __init__(self, config: PreTrainedConfig | None = None, **options: Any) -> None:
         self.options = self.options_class.from_dict(options)
+        # what `bind` / `set_padding` gave, also handed to layers a config-less cache creates at their first update
+        self._binding: FusedBinding | None = None
+        self._padding: torch.Tensor | None = None
         if config is None:
             super().__init__(layer_class_to_replicate=functools.partial(self.layer_class, self.options))
             return
@@ -391,6 +394,12 @@ class CompressedCache(Cache):
                 f"layer {layer_idx}; build the cache with the model's own config: "
                 f"{type(self).__name__}(config=model.config, ...)"
             )
+        if self.layer_class_to_replicate is not None:  # created here (not in transformers) to hand over the binding
+            while len(self.layers) <= layer_idx:
+                layer = self.layer_class_to_replicate()
+                if isinstance(layer, CompressedLayer):
+                    layer.fused_binding, layer.padding = self._binding, self._padding
+                self.layers.append(layer)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     # ---- the fused attention ------------------------------------------------------------------------------------
@@ -398,12 +407,11 @@ class CompressedCache(Cache):
         """Let `model` read this cache's compressed storage directly whenever it runs the `"hf_kvcache"` attention
         (other attention implementations keep getting dequantized tensors). Returns whether any layer can be read
         that way. `generate` binds (and switches the attention) by itself for caches whose `reads_fused` is set."""
-        binding = FusedBinding(model.config)
-        bound = False
+        binding = self._binding = FusedBinding(model.config)
         for layer in self._compressed_layers():
             layer.fused_binding = binding
-            bound = True
-        return bound
+        # a cache built without a config creates its layers at the first update: they are bound then
+        return bool(self._compressed_layers()) or self.layer_class_to_replicate is not None
 
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Record the left padding of the batch about to be prefilled (`attention_mask [batch, tokens]`, 0 = pad),
@@ -416,10 +424,12 @@ class CompressedCache(Cache):
             real = attention_mask.bool()
             # leading zeros of each row (a row of only padding counts all its positions)
             padding = torch.where(real.any(1), real.int().argmax(1), real.shape[1]).to(torch.int64)
+        self._padding = padding
         for layer in self._compressed_layers():
             layer.padding = padding
 
     def unbind(self) -> None:
+        self._binding = None
         for layer in self._compressed_layers():
             layer.fused_binding = None
             layer.fused_view = None
