@@ -1,6 +1,6 @@
 """`hf-kvcache report`: the tables of the results pages, rendered from the row files the suites wrote.
 
-A results page (`docs/results/*.md`) marks each table that comes from row files with a region:
+A results page (`docs/results/*.md`, and the README) marks each table that comes from row files with a region:
 
     <!-- rows: docs/rows/uniform_zoo_smollm2-135m.json docs/rows/uniform_zoo_qwen2.5-coder-0.5b.json
          columns=delta_pct,ratio by=file names=SmolLM2|Qwen2.5 -->
@@ -33,15 +33,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .rows import COLUMNS, Row, format_rows
+from .rows import COLUMNS, DEPTH_PREFIX, Row, format_rows
 
 OPEN = re.compile(r"<!--\s*rows:(?P<spec>.*?)-->", re.S)
 CLOSE = "<!-- /rows -->"
-DEFAULT_PAGES = ("docs/results/*.md",)
+DEFAULT_PAGES = ("README.md", "docs/results/*.md")
 MISSING = "-"
 # name -> (how a value prints, what the header adds)
 NAMED_FORMATS: dict[str, tuple[Callable[[Any], str], str]] = {
     "mib": (lambda v: f"{v / 2**20:.1f}", " (MiB)"),  # bytes -> MiB
+    "mib2": (lambda v: f"{v / 2**20:.2f}", " (MiB)"),
     "pct": (lambda v: f"{v:+.2f}%", ""),
     "x": (lambda v: f"{v:.2f}x", ""),
 }
@@ -58,6 +59,7 @@ EXTRA_COLUMNS: dict[str, tuple[str, str]] = {
     "decode_MBps": ("{:.1f}", "dec MB/s"),
     "peak_added_bytes": ("{:,}", "peak bytes added"),
     "cache_bytes": ("{:,}", "cache bytes"),
+    "same": ("{}", "same tokens"),
 }
 
 
@@ -104,7 +106,8 @@ class Column:
     @classmethod
     def parse(cls, word: str) -> Column:
         key, _, fmt = word.partition(":")
-        known_fmt, header = COLUMNS.get(key) or EXTRA_COLUMNS.get(key) or ("{}", key)
+        fallback = ("{:.0%}" if key.startswith(DEPTH_PREFIX) else "{}", key)  # passkey: accuracy per depth
+        known_fmt, header = COLUMNS.get(key) or EXTRA_COLUMNS.get(key) or fallback
         if fmt and fmt not in NAMED_FORMATS and "{" not in fmt:
             raise ValueError(f"column {word!r}: a format is a Python format such as {{:.2f}} or one of "
                              f"{sorted(NAMED_FORMATS)}")
@@ -201,12 +204,14 @@ def render(spec: RegionSpec, root: Path) -> str:
 
 @dataclass
 class Region:
-    """A marked region of a page: where its body starts and ends (character offsets) and what it asks for."""
+    """A marked region of a page: where its body starts and ends (character offsets), what it asks for, and the
+    indentation of its opening comment (a region inside a list item keeps the item's indentation)."""
 
     spec: str
     start: int
     end: int
     line: int
+    indent: str = ""
 
     def name(self, page: str) -> str:
         first = shlex.split(self.spec)[0] if self.spec.strip() else "?"
@@ -222,7 +227,9 @@ def find_regions(text: str, page: str = "<page>") -> list[Region]:
         following = OPEN.search(text, match.end())
         if end < 0 or (following is not None and following.start() < end):
             raise ValueError(f"{page}:{line}: the rows region is not closed; end it with {CLOSE}")
-        regions.append(Region(match.group("spec"), match.end(), end, line))
+        line_start = text.rfind("\n", 0, match.start()) + 1
+        indent = text[line_start : match.start()]
+        regions.append(Region(match.group("spec"), match.end(), end, line, indent if not indent.strip() else ""))
     return regions
 
 
@@ -231,7 +238,8 @@ def render_page(text: str, root: Path, page: str = "<page>") -> tuple[str, list[
     out, changed, last = [], [], 0
     for region in find_regions(text, page):
         try:
-            body = "\n" + render(RegionSpec.parse(region.spec), root) + "\n"
+            rendered = render(RegionSpec.parse(region.spec), root)
+            body = "".join(f"\n{region.indent}{line}" for line in rendered.split("\n")) + "\n" + region.indent
         except ValueError as exc:
             raise ValueError(f"{page}:{region.line}: {exc}") from exc
         if text[region.start : region.end] != body:
