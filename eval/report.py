@@ -29,13 +29,14 @@ import json
 import re
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .rows import COLUMNS, DEPTH_PREFIX, Row, format_rows
 
-OPEN = re.compile(r"<!--\s*rows:(?P<spec>.*?)-->", re.S)
+OPEN = re.compile(r"<!--\s*rows:(?P<spec>.*?)-->", re.DOTALL)
 CLOSE = "<!-- /rows -->"
 DEFAULT_PAGES = ("README.md", "docs/results/*.md")
 MISSING = "-"
@@ -46,21 +47,13 @@ NAMED_FORMATS: dict[str, tuple[Callable[[Any], str], str]] = {
     "pct": (lambda v: f"{v:+.2f}%", ""),
     "x": (lambda v: f"{v:.2f}x", ""),
 }
-# keys the suites write that `rows.COLUMNS` does not name (other suites' and peer scripts' rows)
-EXTRA_COLUMNS: dict[str, tuple[str, str]] = {
-    "ppl": ("{:.3f}", "ppl"),
-    "label": ("{}", "row"),
-    "press": ("{}", "press"),
-    "budget": ("{}", "budget"),
-    "vs_fp16": ("{:.3f}", "vs fp16"),
-    "vs_int8": ("{:.2f}x", "vs int8"),
-    "bytes_per_token": ("{:.0f}", "B/token"),
-    "encode_MBps": ("{:.1f}", "enc MB/s"),
-    "decode_MBps": ("{:.1f}", "dec MB/s"),
-    "peak_added_bytes": ("{:,}", "peak bytes added"),
-    "cache_bytes": ("{:,}", "cache bytes"),
-    "same": ("{}", "same tokens"),
-}
+# keys the suites write that `rows.COLUMNS` does not name (other suites' and peer scripts' rows): key, format, header
+EXTRA_COLUMNS: dict[str, tuple[str, str]] = {key: (fmt, header) for key, fmt, header in (
+    ("ppl", "{:.3f}", "ppl"), ("vs_fp16", "{:.3f}", "vs fp16"), ("vs_int8", "{:.2f}x", "vs int8"),
+    ("bytes_per_token", "{:.0f}", "B/token"), ("encode_MBps", "{:.1f}", "enc MB/s"),
+    ("decode_MBps", "{:.1f}", "dec MB/s"),
+    ("peak_added_bytes", "{:,}", "peak bytes added"), ("cache_bytes", "{:,}", "cache bytes"), ("label", "{}", "row"),
+)}
 
 
 @dataclass(frozen=True)
@@ -85,7 +78,7 @@ class Source:
         try:
             data = json.loads((root / self.path).read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise ValueError(f"cannot read rows from {self.path}: {exc}; name a JSON row file under docs/rows/") from exc
+            raise ValueError(f"cannot read rows from {self.path}: {exc}; name a JSON row file (docs/rows/)") from exc
         rows = data.get(self.key) if isinstance(data, dict) else data
         if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
             raise ValueError(f"{self.path} holds no rows under {self.key!r}: name the key with PATH@KEY")
