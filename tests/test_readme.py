@@ -33,7 +33,7 @@ def test_relative_links_resolve(page):
 @pytest.mark.slow
 def test_quick_start_runs():
     """Every ```python block of the README, run as written (SmolLM2-135M, a few generate calls)."""
-    blocks = re.findall(r"```python\n(.*?)```", README, re.S)
+    blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
     assert blocks
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
