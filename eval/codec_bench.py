@@ -158,8 +158,8 @@ def run_quality(model, tok, text: str, start: int, prefix: int, continuation: in
             print(format_rows(rows[-1:]), file=out, flush=True)
     if "tiered" not in rows_wanted:
         return rows
-    # rotation="both" by default: the measured recipe for SmolLM2 (README), fixed so the row does not depend on
-    # calibration; a rotation ruins some layers of other models (Qwen2.5: --tiered-rotation none)
+    # rotation="both" by default: the measured recipe for SmolLM2 (docs/results/codec.md), fixed so the row does not
+    # depend on calibration; a rotation ruins some layers of other models (Qwen2.5: --tiered-rotation none)
     tiered = _prefill(model, pre, TieredQuantCache(config=cfg, rotation=tiered_rotation), desc="tiered prefill")
     tiered_bytes = tiered.memory_stats()["bytes"]
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto,
-paired.
+paired, report.
 
 `compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey`);
 `bench` and `passkey` are two of its suites under their older names and options."""
@@ -90,6 +90,12 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
 
 def _cmd_paired(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.paired import main_args
+
+    return main_args(args)
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.report import main_args
 
     return main_args(args)
 
@@ -253,6 +259,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(rows with chunk_nll)")
     _paired_arguments(p)
     p.set_defaults(func=_cmd_paired)
+
+    from hf_kvcache.eval.report import add_arguments as _report_arguments
+
+    p = sub.add_parser("report", help="render the tables of docs/results/*.md from their row files (docs/rows/); "
+                       "--check fails where a page differs from its rows")
+    _report_arguments(p)
+    p.set_defaults(func=_cmd_report)
     return parser
 
 

@@ -14,6 +14,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
+import transformers
 from transformers import GenerationMixin, PreTrainedConfig
 from transformers.cache_utils import Cache
 from transformers.generation import configuration_utils as gen_config
@@ -21,6 +22,10 @@ from transformers.generation import configuration_utils as gen_config
 CacheFactory = Callable[..., Cache]
 _FACTORIES: dict[str, CacheFactory] = {}
 _installed = False
+# The key under which generate's model kwargs carry the cache: transformers 5.24 renamed `past_key_values` to `cache`
+# (the old keyword is still accepted by generate and forward, renamed on the way in).
+TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
 
 
 def register_cache(name: str, factory: CacheFactory) -> None:
@@ -153,22 +158,23 @@ def install() -> None:
         name = generation_config.cache_implementation
         if (
             name in _FACTORIES
-            and model_kwargs.get("past_key_values") is None
+            and model_kwargs.get(CACHE_KWARG) is None
             and generation_config.use_cache is not False
         ):
             # `cache_config` is copied: generate may be called again with the same generation config
             options = copy.deepcopy(generation_config.cache_config) if generation_config.cache_config else {}
             cache = build_cache(name, self.config.get_text_config(decoder=True), **options)
-            model_kwargs["past_key_values"] = cache
+            model_kwargs[CACHE_KWARG] = cache
             _attention_for(self, cache)
             _record_padding(cache, model_kwargs)
             _chunk_prefill(cache, generation_config)
             if generation_config.is_assistant:
                 cache.activate_past_recording()
             return None
-        _attention_for(self, model_kwargs.get("past_key_values"))
-        _record_padding(model_kwargs.get("past_key_values"), model_kwargs)
-        _chunk_prefill(model_kwargs.get("past_key_values"), generation_config)
+        given = model_kwargs.get(CACHE_KWARG)
+        _attention_for(self, given)
+        _record_padding(given, model_kwargs)
+        _chunk_prefill(given, generation_config)
         return original(self, generation_config, model_kwargs, *args, **kwargs)
 
     @functools.wraps(original_generate)

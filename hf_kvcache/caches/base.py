@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import PreTrainedConfig
-from transformers.cache_utils import BaseQuantizedLayer, Cache, DummyLayer, DynamicLayer, DynamicSlidingWindowLayer
+from transformers import PreTrainedConfig, cache_utils
+from transformers.cache_utils import Cache, DynamicLayer, DynamicSlidingWindowLayer
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
@@ -25,6 +25,10 @@ from ..rope import KeyRotation
 from ..kernels.segments import FullSegment, dense_segments
 
 FP16_BYTES = 2
+# transformers before 5.23 has no DummyLayer (and no "dummy" layer type); before 5.21 its quantized layers' base is
+# QuantizedLayer
+DummyLayer = getattr(cache_utils, "DummyLayer", None)
+BaseQuantizedLayer = getattr(cache_utils, "BaseQuantizedLayer", None) or cache_utils.QuantizedLayer
 LAYER_ATTR = "_hf_kvcache_layer"
 FUSED_ATTENTION = "hf_kvcache"  # the attention implementation that reads compressed storage directly
 
