@@ -18,6 +18,7 @@ COMMON = ("suite", "cache", "model", "tokens")
 # key -> (format, header), in the order the table shows them
 COLUMNS: dict[str, tuple[str, str]] = {
     "cache": ("{}", "cache"),
+    "task": ("{}", "task"),
     "features": ("{}", "features"),
     "batch": ("{}", "batch"),
     "tokens": ("{}", "tokens"),
@@ -70,6 +71,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "page_refs": ("{}", "refs"),
     "distinct_samples": ("{}", "distinct"),
     "samples_sha": ("{}", "samples sha"),
+    "delta_pts": ("{:+.1f}", "vs full (pts)"),
+    "low_pts": ("{:+.1f}", "low"),
+    "high_pts": ("{:+.1f}", "high"),
     "accuracy": ("{:.1%}", "mean"),
     "trials": ("{}", "trials"),
 }
