@@ -100,14 +100,20 @@ def paired_difference(a: list[float], b: list[float], groups: list | None = None
                       seed: int = 0) -> PairedDifference:
     """The mean score difference of two systems scored on the same items (`a[i]` and `b[i]`: item i), with a paired
     bootstrap interval: the items are resampled with replacement, the same items for both sides, within each group
-    (`groups[i]`: the group of item i, e.g. a task; each group weighs the same in the mean). An interval that holds
-    0 means the items cannot tell the two apart."""
+    (`groups[i]`: the group of item i, e.g. a task; each group weighs the same in the mean). A group of one item has
+    no spread to resample: when any group has fewer than 2 items, every item is one group (each item weighs the
+    same); fewer than 2 items in all: no interval (nan). An interval that holds 0 means the items cannot tell the two
+    apart."""
     diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
     if len(a) != len(b) or not len(a):
         raise ValueError(f"give the two systems' scores on the same items, at least one: got {len(a)} and {len(b)}")
     groups = [0] * len(a) if groups is None else list(groups)
     if len(groups) != len(a):
         raise ValueError(f"groups names the group of each item: {len(groups)} groups for {len(a)} items")
+    if len(a) < 2:
+        return PairedDifference(float(diff.mean()), math.nan, math.nan, len(a))
+    if min(groups.count(name) for name in set(groups)) < 2:
+        groups = [0] * len(a)
     g = torch.Generator().manual_seed(seed)
     means, stats = [], torch.zeros(samples, dtype=torch.float64)
     for name in dict.fromkeys(groups):  # in order of first appearance

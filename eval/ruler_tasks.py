@@ -214,6 +214,12 @@ class TaskGenerator:
         return RulerSample(task, index, context, question, expected, [s / len(context) for s in starts],
                            self._new_tokens(expected))
 
+    def _word_list(self, task: str, index: int, instruction: str, words: list[str], question: list[int],
+                   expected: list[str]) -> RulerSample:
+        """A list task's prompt: the instruction, then `words` (each " word"), then the question."""
+        context = self.prefix + self.ids(instruction) + [t for w in words for t in self.word_ids(w)]
+        return RulerSample(task, index, context, question, expected, [], self._new_tokens(expected))
+
     def _keys(self, rng: random.Random, n: int) -> list[str]:
         return rng.sample(self.words, n)
 
@@ -274,8 +280,7 @@ class TaskGenerator:
         o = self.options
         question = self._question(f"What are the {o.common_words} most common words in the list above?",
                                   f"The {o.common_words} most common words in the list are:")
-        head = self.prefix + self.ids(CWE_INSTRUCTION)
-        room = tokens - len(head) - len(question)
+        room = tokens - len(self.prefix + self.ids(CWE_INSTRUCTION)) - len(question)
         pool = rng.sample(self.words, len(self.words))
         common, rare = pool[: o.common_words], iter(pool[o.common_words :])
         words = [w for w in common for _ in range(o.common_count)]
@@ -289,15 +294,13 @@ class TaskGenerator:
             words += [w] * o.rare_count
             used += o.rare_count * len(self.word_ids(w))
         rng.shuffle(words)
-        context = head + [t for w in words for t in self.word_ids(w)]
-        return RulerSample(task, index, context, question, common, [], self._new_tokens(common))
+        return self._word_list(task, index, CWE_INSTRUCTION, words, question, common)
 
     def _fwe(self, task: str, tokens: int, index: int, rng: random.Random) -> RulerSample:
         o = self.options
         question = self._question(f"What are the {o.frequent_words} most frequent coded words in the text above?",
                                   f"The {o.frequent_words} most frequent coded words are:")
-        head = self.prefix + self.ids(FWE_INSTRUCTION)
-        room = tokens - len(head) - len(question)
+        room = tokens - len(self.prefix + self.ids(FWE_INSTRUCTION)) - len(question)
         vocab = sorted({"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(5)) for _ in range(400)})
         rng.shuffle(vocab)
         weights = [1.0 / (r + 1) ** o.zipf for r in range(len(vocab))]
@@ -312,9 +315,7 @@ class TaskGenerator:
         k = o.frequent_words
         if len(ranked) <= k or ranked[k - 1][1] <= ranked[k][1]:
             raise ValueError(f"{tokens} tokens draw too few coded words for a clear top {k}: ask for more tokens")
-        expected = [w for w, _ in ranked[:k]]
-        context = head + [t for w in words for t in self.word_ids(w)]
-        return RulerSample(task, index, context, question, expected, [], self._new_tokens(expected))
+        return self._word_list(task, index, FWE_INSTRUCTION, words, question, [w for w, _ in ranked[:k]])
 
     def _qa(self, task: str, tokens: int, index: int, rng: random.Random) -> RulerSample:
         n = self.options.speeches

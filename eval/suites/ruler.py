@@ -26,6 +26,7 @@ starts), `held` and `results` (the sample rows). `summary_rows` turns sample row
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -57,6 +58,8 @@ def ruler_specs(opts: SuiteOptions, model) -> list[CacheSpec]:
     rest = [s for s in specs if s.label != BASELINE]
     if any(s.name == BASELINE for s in rest):
         raise ValueError(f"label the full cache {BASELINE!r}: it is the baseline every cache is compared with")
+    for spec in rest:  # a cache that cannot be built for this model fails here, before the first sample
+        spec.build(model)
     return [CacheSpec(BASELINE, {}, BASELINE), *rest]
 
 
@@ -171,7 +174,9 @@ def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: li
     if paired and not is_base:
         diff = paired_difference([m["score"] for m, _ in paired], [b["score"] for _, b in paired],
                                  [m["task"] for m, _ in paired])
-        row.update(delta_pts=100 * diff.difference, low_pts=100 * diff.low, high_pts=100 * diff.high)
+        row.update(delta_pts=100 * diff.difference)
+        if not math.isnan(diff.low):  # one sample: no interval
+            row.update(low_pts=100 * diff.low, high_pts=100 * diff.high)
     fp16 = [b["fp16_bytes"] for _, b in paired] or [m["fp16_bytes"] for m in mine]
     row.update(ratio=(sum(fp16) / len(fp16)) / (sum(m["bytes"] for m in mine) / len(mine)),
                held=sum(m["held"] for m in mine) / len(mine),
@@ -183,3 +188,35 @@ def table_rows(rows: list[Row]) -> list[Row]:
     """What `compare --from-json` prints for a file of this suite: the summary rows (cut-off files hold sample
     rows)."""
     return summary_rows(rows)
+
+
+def markdown_tables(rows: list[Row]) -> str:
+    """The summary as markdown, one table per (model, tokens, mode): a line per cache with its ratio, the accuracy of
+    each task (points vs the full cache in brackets), the average with its paired 95 % interval, and the samples."""
+    summary = summary_rows(rows)
+    runs: dict[tuple, list[Row]] = defaultdict(list)
+    for r in summary:
+        runs[r["model"], r["tokens"], r["mode"]].append(r)
+    parts = []
+    for (model, tokens, mode), group in runs.items():
+        tasks = list(dict.fromkeys(r["task"] for r in group if r["task"] != AVERAGE))
+        lines = [f"**{model}, {tokens} tokens, mode {mode}**", "",
+                 "| cache | vs fp16 | " + " | ".join(tasks) + " | average | vs full, 95 % interval | samples |",
+                 "|---" * (len(tasks) + 5) + "|"]
+        cell = {(r["cache"], r["task"]): r for r in group}
+        for cache in dict.fromkeys(r["cache"] for r in group):
+            avg = cell[cache, AVERAGE]
+            tasks_cells = [_task_cell(cell.get((cache, t))) for t in tasks]
+            interval = "baseline" if "delta_pts" not in avg else f"{avg['delta_pts']:+.1f}" + (
+                f" [{avg['low_pts']:+.1f}, {avg['high_pts']:+.1f}]" if "low_pts" in avg else "")
+            lines.append(f"| {cache} | {avg['ratio']:.2f}x | " + " | ".join(tasks_cells)
+                         + f" | {100 * avg['accuracy']:.1f} | {interval} | {avg['samples']} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _task_cell(row: Row | None) -> str:
+    if row is None:
+        return "-"
+    text = f"{100 * row['accuracy']:.0f}"
+    return text + (f" ({row['delta_pts']:+.0f})" if "delta_pts" in row else "")
