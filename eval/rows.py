@@ -26,6 +26,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "delta_pct": ("{:+.2f}%", "delta"),
     "bytes": ("{:,}", "bytes held"),
     "ratio": ("{:.2f}x", "vs fp16"),
+    "answer_ratio": ("{:.2f}x", "vs fp16 (answered)"),
     "tokens_per_s": ("{:.0f}", "stream tok/s"),
     "decode_tokens_per_s": ("{:.1f}", "decode tok/s"),
     "median_tokens_per_s": ("{:.2f}", "median tok/s"),

@@ -171,8 +171,17 @@ class TaskGenerator:
         return self._word_ids[word]
 
     def samples(self, task: str, tokens: int, count: int, seed: int = 0) -> list[RulerSample]:
-        """Samples 0 .. count-1 of `task` with `tokens`-token prompts (each from `random.Random(f"{seed}:{task}:
-        {tokens}:{i}")`)."""
+        """Samples 0 .. count-1 of one task.
+
+        Args:
+            task: one of `TASKS`.
+            tokens: the prompt length in this tokenizer's tokens (context + question).
+            count: how many samples.
+            seed: sample `i` is drawn from `random.Random(f"{seed}:{task}:{tokens}:{i}")`.
+
+        Returns:
+            `count` samples, in index order.
+        """
         if task not in TASKS:
             raise ValueError(f"unknown task {task!r}; pick from {', '.join(TASKS)}")
         if count < 1:

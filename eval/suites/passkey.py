@@ -109,12 +109,16 @@ def first_number(answer: str) -> str | None:
 @dataclass
 class Answer:
     """What a cache answered to one prompt: the decoded `text`, and when the answer starts `held` (slots per KV head
-    of layer 0), `bytes` (every tensor the cache holds, `memory_stats`) and `fp16_bytes` (its fp16 equivalent)."""
+    of layer 0), `bytes` (every tensor the cache holds, `memory_stats`) and `fp16_bytes` (its fp16 equivalent);
+    `answer_bytes` / `answer_fp16_bytes`: the same once the answer is decoded (a cache that compresses a forward's
+    tokens at its next update holds them uncompressed until then)."""
 
     text: str
     held: int
     bytes: int
     fp16_bytes: int
+    answer_bytes: int = 0
+    answer_fp16_bytes: int = 0
 
 
 def _held(cache) -> tuple[int, int, int]:
@@ -176,7 +180,7 @@ def answer(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
-    return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held)
+    return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held, *_held(cache)[1:])
 
 
 def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],
@@ -203,7 +207,7 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
             logits = model(input_ids=torch.tensor([[nxt]], device=full.device), past_key_values=cache,
                            use_cache=True).logits
             nxt = int(logits[0, -1].argmax())
-    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held)
+    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:])
 
 
 def run_trial(

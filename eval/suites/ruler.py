@@ -69,7 +69,8 @@ def run_sample(model, tokenizer, spec: CacheSpec, sample: RulerSample, mode: str
     a = answer(model, tokenizer, spec, sample.context_ids, sample.question_ids, sample.new_tokens, chunk, mode)
     return {"score": score(sample.expected, a.text), "answer": a.text, "expected": sample.expected,
             "depths": [round(d, 4) for d in sample.depths], "held": a.held, "bytes": a.bytes,
-            "fp16_bytes": a.fp16_bytes, "seconds": time.perf_counter() - t0}
+            "fp16_bytes": a.fp16_bytes, "answer_bytes": a.answer_bytes, "answer_fp16_bytes": a.answer_fp16_bytes,
+            "seconds": time.perf_counter() - t0}
 
 
 def sample_rows_of(rows: list[Row]) -> list[Row]:
@@ -177,11 +178,19 @@ def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: li
         row.update(delta_pts=100 * diff.difference)
         if not math.isnan(diff.low):  # one sample: no interval
             row.update(low_pts=100 * diff.low, high_pts=100 * diff.high)
-    fp16 = [b["fp16_bytes"] for _, b in paired] or [m["fp16_bytes"] for m in mine]
-    row.update(ratio=(sum(fp16) / len(fp16)) / (sum(m["bytes"] for m in mine) / len(mine)),
-               held=sum(m["held"] for m in mine) / len(mine),
-               seconds=sum(m["seconds"] for m in mine) / len(mine), results=mine)
+    row["ratio"] = _ratio(mine, [b for _, b in paired], "")
+    if all(m.get("answer_bytes") for m in mine):  # rows written before these were measured lack them
+        row["answer_ratio"] = _ratio(mine, [b for _, b in paired if b.get("answer_bytes")], "answer_")
+    row.update(held=sum(m["held"] for m in mine) / len(mine), seconds=sum(m["seconds"] for m in mine) / len(mine),
+               results=mine)
     return row
+
+
+def _ratio(mine: list[Row], base: list[Row], prefix: str) -> float:
+    """The full cache's mean fp16-equivalent bytes (this cache's own without full-cache rows) over this cache's mean
+    bytes, `prefix` "" when the answer starts, "answer_" once it is decoded."""
+    fp16 = [b[f"{prefix}fp16_bytes"] for b in base] or [m[f"{prefix}fp16_bytes"] for m in mine]
+    return (sum(fp16) / len(fp16)) / (sum(m[f"{prefix}bytes"] for m in mine) / len(mine))
 
 
 def table_rows(rows: list[Row]) -> list[Row]:
@@ -201,7 +210,8 @@ def markdown_tables(rows: list[Row]) -> str:
     for (model, tokens, mode), group in runs.items():
         tasks = list(dict.fromkeys(r["task"] for r in group if r["task"] != AVERAGE))
         lines = [f"**{model}, {tokens} tokens, mode {mode}**", "",
-                 "| cache | vs fp16 | " + " | ".join(tasks) + " | average | vs full, 95 % interval | samples |",
+                 "| cache | vs fp16 (question / answered) | " + " | ".join(tasks)
+                 + " | average | vs full, 95 % interval | samples |",
                  "|---" * (len(tasks) + 5) + "|"]
         cell = {(r["cache"], r["task"]): r for r in group}
         for cache in dict.fromkeys(r["cache"] for r in group):
@@ -209,7 +219,8 @@ def markdown_tables(rows: list[Row]) -> str:
             tasks_cells = [_task_cell(cell.get((cache, t))) for t in tasks]
             interval = "baseline" if "delta_pts" not in avg else f"{avg['delta_pts']:+.1f}" + (
                 f" [{avg['low_pts']:+.1f}, {avg['high_pts']:+.1f}]" if "low_pts" in avg else "")
-            lines.append(f"| {cache} | {avg['ratio']:.2f}x | " + " | ".join(tasks_cells)
+            ratio = f"{avg['ratio']:.2f}x" + (f" / {avg['answer_ratio']:.2f}x" if "answer_ratio" in avg else "")
+            lines.append(f"| {cache} | {ratio} | " + " | ".join(tasks_cells)
                          + f" | {100 * avg['accuracy']:.1f} | {interval} | {avg['samples']} |")
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
