@@ -118,14 +118,14 @@ def segment_bytes(segments) -> int:
 # ---- correctness ----------------------------------------------------------------------------------------------------
 def kivi_case(b: int, h: int, t: int, d: int, bits: int, group: int, seed: int):
     """A KIVI-layout `QuantSegment` (CPU, torch quantizer) of random keys with channel offsets, and a full tail."""
-    from hf_kvcache.kernels.kivi_pack import kivi_keys_reference, kivi_values_reference
+    from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
     from hf_kvcache.kernels.segments import FullSegment, QuantSegment
 
     g = torch.Generator().manual_seed(seed)
     k = torch.randn(b, h, t, d, generator=g) + 3 * torch.randn(1, h, 1, d, generator=g)
     v = torch.randn(b, h, t, d, generator=g)
-    kc, ks, kz = kivi_keys_reference(k, bits, group)
-    vc, vs, vz = kivi_values_reference(v, bits, min(group, d))
+    kc, ks, kz = kivi_key_codes(k, bits, group, use_triton=False)
+    vc, vs, vz = kivi_value_codes(v, bits, min(group, d), use_triton=False)
     seg = QuantSegment(kc, ks, kz, vc, vs, vz, bits, bits, group, min(group, d), d)
     tail = FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))
     return seg, tail
@@ -227,18 +227,16 @@ def _pack_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> l
 
 def pack_correctness(device: str, dims, t: int) -> list[dict]:
     """The KIVI pack kernels on `device` against the torch quantizer: share of codes that differ, max scale error."""
-    from hf_kvcache.kernels.kivi_pack import (kivi_keys_reference, kivi_quantize_keys, kivi_quantize_values,
-                                              kivi_values_reference)
+    from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
 
     rows = []
     for d in dims:
         for bits, group in ((2, 64), (4, 32)):
             x = torch.randn(1, 2, t - t % group, d, generator=torch.Generator().manual_seed(d + bits))
-            for what, fast, ref, grp in (("keys", kivi_quantize_keys, kivi_keys_reference, group),
-                                         ("values", kivi_quantize_values, kivi_values_reference, min(group, d))):
-                def run(fast=fast, ref=ref, grp=grp):
+            for what, fast, grp in (("keys", kivi_key_codes, group), ("values", kivi_value_codes, min(group, d))):
+                def run(fast=fast, grp=grp):
                     got = [y.cpu() for y in fast(x.to(device, torch.bfloat16), bits, grp)]
-                    want = ref(x.to(torch.bfloat16), bits, grp)
+                    want = fast(x.to(torch.bfloat16), bits, grp, use_triton=False)
                     return dict(codes_differ=float((got[0] != want[0]).float().mean()),
                                 scale_err=float((got[1].float() - want[1].float()).abs().max()))
                 rows.append(_run_case(dict(case=f"pack {what} d={d} bits={bits} group={grp}", qdtype="bfloat16"),
@@ -357,7 +355,7 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
     rows: list[dict] = []
     if not device.startswith("cuda"):
         return [dict(setting="(needs CUDA: the sweep launches the Triton kernel directly)")]
-    from hf_kvcache.kernels.kivi_pack import kivi_quantize_keys, kivi_quantize_values
+    from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
     from hf_kvcache.kernels.segments import QuantSegment
     from hf_kvcache.kernels.triton_decode import quant_partial_triton
     from hf_kvcache.kernels.triton_quant import quant_partial_rows
@@ -375,7 +373,7 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
             shape = (batch, opts.kv_heads, 32768, d)
             k = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
             v = torch.randn(shape, generator=g, device=device, dtype=torch.bfloat16)
-            seg = QuantSegment(*kivi_quantize_keys(k, bits, group), *kivi_quantize_values(v, bits, min(group, d)),
+            seg = QuantSegment(*kivi_key_codes(k, bits, group), *kivi_value_codes(v, bits, min(group, d)),
                                bits, bits, group, min(group, d), d)
             q = torch.randn(batch, opts.kv_heads, opts.group, d, generator=g, device=device) / math.sqrt(d)
             cases.append((dict(head_dim=d, bits=bits, group=group, batch=batch), seg, q,

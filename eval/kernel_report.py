@@ -24,7 +24,7 @@ Variants (read off the launch sites, `kernels/triton_decode.py`, `kernels/triton
 - `_quant_mass_kernel`: the per-key attention mass (`decode_attention(return_mass=True)`), same constexprs less V_*.
 - `_token_attn_kernel`: the uniform caches' per-token codes (`token_partial_triton`): int4 g32 / int8 per head,
   symmetric, keys pre-RoPE or as they come, HAS_VALID both ways, M_PAD = 16, DOT_F32 = True.
-- `_keys_kernel` / `_values_kernel`: fused KIVI quantize + pack (`kivi_quantize_keys/values` on CUDA tensors), for
+- `_keys_kernel` / `_values_kernel`: fused KIVI quantize + pack (`quant.kivi.kivi_key_codes` / `kivi_value_codes` on CUDA tensors), for
   x in fp16 and bf16; keys GROUP = tokens per group, values GROUP = min(group, D) channels, BLOCK_R = 16.
 Pointer arguments are compiled as 16-byte aligned and the integer arguments that are multiples of 16 at every real
 launch (token counts of a tier, tokens per split, packed row bytes) as divisible by 16, as Triton's launcher

@@ -4,8 +4,9 @@
   `[B, H, T, D]` -> codes `[B, H, T, packed(D)]`, scale/zero `[B, H, T // group, D]` (T a multiple of `group`).
 - values, per token: groups of `group` channels; codes `[B, H, T, packed(D)]`, scale/zero `[B, H, T, D // group]`.
 Asymmetric min/max, codes packed along the channel dim as a little-endian bit stream (`quant.packing`), fp16 scales
-rounded up (`quant.uniform.scale_to_fp16`). Triton runs on CUDA tensors; `kivi_quantize_*` dispatch, and so does
-`quant.kivi.quantize_kivi` (what the caches call) when no clipping is asked for.
+rounded up (`quant.uniform.scale_to_fp16`). Triton runs on CUDA tensors: `quant.kivi.quantize_kivi` (what the caches
+call; `kivi_key_codes` / `kivi_value_codes` as tuples) dispatches here when no clipping is asked for, and is the torch
+reference (`use_triton=False`). This module imports nothing of `quant.kivi`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_kvcache.quant.kivi import quantize_kivi
 from hf_kvcache.quant.packing import packed_length
 
 _TINY = 1e-6
@@ -28,19 +28,6 @@ def _check(x: torch.Tensor, bits: int, group: int, axis_len: int, what: str) -> 
         raise ValueError(f"bits must be one of {_SUPPORTED_BITS}, got {bits}")
     if axis_len % group:
         raise ValueError(f"{what}: {axis_len} is not a multiple of group={group}")
-
-
-# ---- torch references: the library's one KIVI quantizer (`quant.kivi.quantize_kivi`) -----------------------------------
-def kivi_keys_reference(k: torch.Tensor, bits: int, group: int):
-    _check(k, bits, group, k.shape[2], "keys")
-    q = quantize_kivi(k, bits, group, "channel", use_triton=False)
-    return q.codes, q.scale, q.zero
-
-
-def kivi_values_reference(v: torch.Tensor, bits: int, group: int):
-    _check(v, bits, group, v.shape[-1], "values")
-    q = quantize_kivi(v, bits, group, "token", use_triton=False)
-    return q.codes, q.scale, q.zero
 
 
 # ---- Triton -----------------------------------------------------------------------------------------------------------
@@ -152,13 +139,3 @@ def kivi_values_triton(v: torch.Tensor, bits: int, group: int, block_rows: int =
             x, codes, scale, zero, n_rows, codes.shape[-1], BLOCK_R=block_rows, D=d, GROUP=group, BITS=bits
         )
     return codes, scale, zero
-
-
-def kivi_quantize_keys(k: torch.Tensor, bits: int, group: int):
-    """(codes, scale, zero) of keys per channel; Triton on CUDA, torch elsewhere."""
-    return kivi_keys_triton(k, bits, group) if k.is_cuda else kivi_keys_reference(k, bits, group)
-
-
-def kivi_quantize_values(v: torch.Tensor, bits: int, group: int):
-    """(codes, scale, zero) of values per token; Triton on CUDA, torch elsewhere."""
-    return kivi_values_triton(v, bits, group) if v.is_cuda else kivi_values_reference(v, bits, group)

@@ -9,13 +9,9 @@ import torch
 
 from hf_kvcache.kernels import native
 from hf_kvcache.kernels.decode_attention import decode_attention, reference_attention
-from hf_kvcache.kernels.kivi_pack import (
-    kivi_keys_reference,
-    kivi_keys_triton,
-    kivi_values_reference,
-    kivi_values_triton,
-)
+from hf_kvcache.kernels.kivi_pack import kivi_keys_triton, kivi_values_triton
 from hf_kvcache.kernels.segments import FullSegment, QuantSegment
+from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET before triton loads"
 
@@ -41,8 +37,8 @@ def kernel(path: str) -> dict:
 def quant_segment(b, h, t, d, k_bits, v_bits, k_group=32, v_group=32, seed=0):
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(b, h, t, d, generator=g) * 2, torch.randn(b, h, t, d, generator=g)
-    kc, ks, kz = kivi_keys_reference(k, k_bits, k_group)
-    vc, vs, vz = kivi_values_reference(v, v_bits, v_group)
+    kc, ks, kz = kivi_key_codes(k, k_bits, k_group, use_triton=False)
+    vc, vs, vz = kivi_value_codes(v, v_bits, v_group, use_triton=False)
     return QuantSegment(kc, ks, kz, vc, vs, vz, k_bits, v_bits, k_group, v_group, d)
 
 
@@ -52,8 +48,8 @@ def test_pack_kernels_bit_identical(bits, dtype):
     g = torch.Generator().manual_seed(bits)
     k = (torch.randn(2, 3, 64, 64, generator=g) * 3).to(dtype)
     v = torch.randn(3, 1, 13, 64, generator=g).to(dtype)  # 39 rows: not a multiple of the row block
-    for ref, tri in ((kivi_keys_reference(k, bits, 32), kivi_keys_triton(k, bits, 32)),
-                     (kivi_values_reference(v, bits, 16), kivi_values_triton(v, bits, 16))):
+    for ref, tri in ((kivi_key_codes(k, bits, 32, use_triton=False), kivi_keys_triton(k, bits, 32)),
+                     (kivi_value_codes(v, bits, 16, use_triton=False), kivi_values_triton(v, bits, 16))):
         for a, b in zip(ref, tri):
             assert a.dtype == b.dtype and torch.equal(a, b)
 
@@ -125,7 +121,7 @@ def test_kernels_compile_for_hopper():
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 11 kernel variants for sm_90" in proc.stdout
+    assert "compiled 12 kernel variants for sm_90" in proc.stdout
 
 
 @each_path
@@ -139,8 +135,8 @@ def test_decode_attention_rotated_segment(path, kind):
     rot, _ = torch.linalg.qr(torch.randn(64, 64, generator=g))
     rot = rot if kind == "matrix" else hadamard_rotation(64, 0)
     k, v = torch.randn(2, 2, 64, 64, generator=g), torch.randn(2, 2, 64, 64, generator=g)
-    kc, ks, kz = kivi_keys_reference(rotate(k, rot), 8, 32)
-    vc, vs, vz = kivi_values_reference(rotate(v, rot), 8, 32)
+    kc, ks, kz = kivi_key_codes(rotate(k, rot), 8, 32, use_triton=False)
+    vc, vs, vz = kivi_value_codes(rotate(v, rot), 8, 32, use_triton=False)
     seg = QuantSegment(kc, ks, kz, vc, vs, vz, 8, 8, 32, 32, 64, k_rotation=rot, v_rotation=rot)
     q = torch.randn(2, 6, 1, 64, generator=g)
     ref, ref_mass = reference_attention(q, [seg])

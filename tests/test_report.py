@@ -97,4 +97,4 @@ def test_the_committed_pages_match_their_rows(capsys):
     """`hf-kvcache report --check` on the repository: every rendered table equals what its row files render."""
     assert main(["report", "--check", "--root", str(ROOT)]) == 0, capsys.readouterr().out
     regions = sum(len(find_regions(p.read_text())) for p in (ROOT / "docs/results").glob("*.md"))
-    assert regions >= 88  # the results pages are rendered, not retyped (88 regions when this test was written)
+    assert regions >= 87  # the results pages are rendered, not retyped (87 regions since the first GPU run's table moved to docs/gpu)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from hf_kvcache.kernels.decode_attention import decode_attention
-from hf_kvcache.kernels.kivi_pack import kivi_quantize_keys, kivi_quantize_values
+from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
 from hf_kvcache.kernels.segments import QuantSegment
 
 from ..rows import Row, make_row
@@ -78,8 +78,8 @@ def make_case(batch: int, tokens: int, kv_heads: int, group: int, head_dim: int,
     g = torch.Generator(device="cpu").manual_seed(0)
     k = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(device, dtype)
     v = torch.randn(batch, kv_heads, tokens, head_dim, generator=g).to(device, dtype)
-    kc, ks, kz = kivi_quantize_keys(k, bits, 32)
-    vc, vs, vz = kivi_quantize_values(v, bits, 32)
+    kc, ks, kz = kivi_key_codes(k, bits, 32)
+    vc, vs, vz = kivi_value_codes(v, bits, 32)
     seg = QuantSegment(kc, ks, kz, vc, vs, vz, bits, bits, 32, 32, head_dim)
     q = torch.randn(batch, kv_heads * group, 1, head_dim, generator=g).to(device, dtype)
     return q, k, v, seg

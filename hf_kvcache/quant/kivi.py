@@ -154,6 +154,20 @@ def quantize_kivi(
     return KIVIQuantized(codes, scale.contiguous(), zero.contiguous(), bits, group_size, axis, dim)
 
 
+def kivi_key_codes(k: torch.Tensor, bits: int, group: int, use_triton: bool | None = None):
+    """(codes, scale, zero) of keys `[batch, heads, tokens, head_dim]` quantized per channel in groups of `group`
+    tokens (`quantize_kivi`; `use_triton` as there: None uses the Triton kernel on CUDA tensors)."""
+    q = quantize_kivi(k, bits, group, "channel", use_triton=use_triton)
+    return q.codes, q.scale, q.zero
+
+
+def kivi_value_codes(v: torch.Tensor, bits: int, group: int, use_triton: bool | None = None):
+    """(codes, scale, zero) of values `[batch, heads, tokens, head_dim]` quantized per token in groups of `group`
+    channels (`quantize_kivi`; `use_triton` as there)."""
+    q = quantize_kivi(v, bits, group, "token", use_triton=use_triton)
+    return q.codes, q.scale, q.zero
+
+
 def _triton_serves(x: torch.Tensor, bits: int, group_size: int, clip_ratio: float, clip_search: bool) -> bool:
     pow2 = all(n > 0 and n & (n - 1) == 0 for n in (x.shape[-1], group_size))
     return x.dim() == 4 and bits in (2, 3, 4, 8) and pow2 and clip_ratio == 1.0 and not clip_search
