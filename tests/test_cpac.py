@@ -9,6 +9,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvcache
+from attention_driver import drive
 from hf_kvcache import CPACCache
 from hf_kvcache.caches.cpac import BASE, DELTA, RAW, CPACOptions, decode_delta, encode_delta
 from hf_kvcache.caches.cpac.features import importance_weight, page_features, threshold_for_pressure
@@ -32,13 +33,7 @@ def feed(cache, chunks, seed=0, mass=None):
     for n in chunks:
         k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
         q = torch.randn(B, 2 * H, n, D, generator=g)
-        for i in range(LAYERS):
-            keys, _ = cache.update(k, v, i)
-            if mass is not None:
-                layer = cache.layers[i]
-                if layer.query_window:
-                    layer.observe_queries(q[:, :, -layer.query_window:], D**-0.5)
-                layer.observe_attention(mass(keys.shape[2]))
+        drive(cache, k, v, queries=q, mass=mass, scaling=D**-0.5, layers=LAYERS, report=mass is not None)
         ks.append(k)
         vs.append(v)
     return torch.cat(ks, 2), torch.cat(vs, 2)

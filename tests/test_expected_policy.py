@@ -66,7 +66,7 @@ def test_value_norm_weights_equal_attention():
     torch.testing.assert_close(p, p[:1].expand(3))  # equal attention
     assert policy(value_norm=True).select(v, 1).tolist() == [[[1]]]
     assert policy(value_norm=True, sink_length=1).select(v, 2).tolist() == [[[0, 1]]]  # the sink stays protected
-    torch.testing.assert_close(policy(value_norm=True)._ranked(v, 1, 0)[0, 0], p * torch.tensor([2.0, 3.0, 1.0]))
+    torch.testing.assert_close(policy(value_norm=True).ranked(v, 1, 0)[0, 0], p * torch.tensor([2.0, 3.0, 1.0]))
     # the same weighting for the other attention policies: tova's newest-query attention times the value norm
     tova = POLICIES["tova"](value_norm=True)
     tv = SlotView(None, v.positions, v.valid, seen=3, values=v.values, window=torch.full((1, 1, 1, 3), 0.5))

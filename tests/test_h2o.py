@@ -1,16 +1,16 @@
 """H2OCache: eviction policies, per-head selection, positions and masks after eviction, padding, beams, crop."""
 
-import copy
-
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 from transformers.masking_utils import create_causal_mask
 
 import hf_kvcache  # noqa: F401  (registers the cache names)
+from attention_driver import drive
 from hf_kvcache import H2OCache
-from hf_kvcache.caches.h2o import H2OOptions
-from hf_kvcache.policy import POLICIES, SlotView
+from hf_kvcache.caches.h2o import EvictOptions, H2OOptions
+from hf_kvcache.policy import POLICIES, AdaKV, H2OPolicy, HybridPolicy, SlotView, SnapKVPolicy
+from policy_contract import check_crop_before_eviction
 
 B, H, D, LAYERS = 2, 2, 16, 2
 
@@ -23,15 +23,10 @@ def tiny_config(**kw):
 
 
 def step(cache, n, mass=None, visible=None, seed=0):
-    """One forward's worth of cache traffic without a model: update every layer, then report attention."""
+    """`n` random tokens through every layer (`attention_driver.drive`); returns their keys and values."""
     g = torch.Generator().manual_seed(seed)
     k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
-    for i in range(LAYERS):
-        keys, _ = cache.update(k, v, i)
-        layer = cache.layers[i]
-        layer.observe_visible_keys(visible)
-        m = torch.zeros(B, H, keys.shape[2]) if mass is None else mass(keys.shape[2])
-        layer.observe_attention(m)
+    drive(cache, k, v, mass=mass, visible=visible, layers=LAYERS)
     return k, v
 
 
@@ -49,9 +44,9 @@ def kept_positions(cache, layer=0):
         (dict(budget=1.5), r"ratio of the tokens seen, in \(0, 1\]"),
         (dict(budget="10"), "budget must be an int"),
         (dict(recent_ratio=0.5, heavy_ratio=0.5), "give at most one of"),
-        (dict(policy="recent", recent_length=8), "keeps the most recent tokens"),
-        (dict(policy="strided", heavy_ratio=0.5), "applies to the policies that rank tokens by a score"),
-        (dict(policy="h2o", sink_length=4), "sink_length applies to the policies that keep sinks"),
+        (dict(policy="recent", recent_length=8), "recent_length applies to the .* policies, not 'recent'"),
+        (dict(policy="strided", heavy_ratio=0.5), "heavy_ratio applies to the h2o / tova / .* policies, not 'strided'"),
+        (dict(policy="h2o", sink_length=4), "sink_length applies to the sinks / hybrid / expected policies"),
         (dict(recent_ratio=2.0), r"recent_ratio must be a number in \[0, 1\]"),
         (dict(bogus=1), r"unknown option\(s\) \['bogus'\]"),
         (dict(evict_every=0), "evict_every must be"),
@@ -67,11 +62,12 @@ def test_budget_int_or_ratio_and_split():
     assert H2OOptions(budget=10).budget_for(1000) == 10
     assert H2OOptions(budget=0.2).budget_for(2048) == 410 and H2OOptions(budget=0.2).budget_for(3) == 1
     assert H2OOptions(budget=0.25).budget_for(100) == 25
-    assert H2OOptions(recent_length=3).make_policy().split(10) == (0, 3)
-    assert H2OOptions(heavy_ratio=0.3).make_policy().split(10) == (0, 7)
-    assert H2OOptions(policy="hybrid", sink_length=2).make_policy().split(10) == (2, 4)
-    assert H2OOptions(policy="sinks").make_policy().split(10) == (4, 6)
-    assert H2OOptions().to_json() == H2OOptions.from_json(H2OOptions().to_json()).to_json()
+    assert H2OOptions(recent_length=3).policy.split(10) == (0, 3) == H2OPolicy(recent_length=3).split(10)
+    assert H2OOptions(heavy_ratio=0.3).policy.split(10) == (0, 7)
+    assert H2OOptions(policy="hybrid", sink_length=2).policy.split(10) == (2, 4)
+    assert H2OOptions(policy="sinks").policy.split(10) == (4, 6)
+    opts = H2OOptions(policy="snapkv", window=8, head_budgets=True, quant_bits=4)
+    assert EvictOptions.from_json(opts.to_json()) == opts and opts.policy == AdaKV(SnapKVPolicy(window=8))
 
 
 # ---- eviction -----------------------------------------------------------------------------------------------------
@@ -261,34 +257,6 @@ def tiny_model():
     return LlamaForCausalLM(tiny_config()).eval()
 
 
-@pytest.mark.parametrize("policy", ["h2o", "recent", "hybrid"])
-@pytest.mark.parametrize("padded", [False, True])
-def test_forward_after_eviction_equals_dense_attention_over_kept_tokens(tiny_model, policy, padded):
-    """Next chunk through H2OCache == a DynamicCache holding exactly the kept keys/values (per head), new tokens at
-    their true positions: masks and RoPE positions stay right after eviction, with and without left padding."""
-    model = tiny_model
-    model.set_attn_implementation("hf_kvcache")
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 97, (B, 30), generator=g)
-    am = torch.ones(B, 30, dtype=torch.long)
-    if padded:
-        am[1, :7] = 0
-    cache = H2OCache(config=model.config, budget=9, policy=policy)
-    with torch.inference_mode():
-        positions = (am.cumsum(-1) - 1).clamp(min=0)
-        model(ids[:, :24], attention_mask=am[:, :24], past_key_values=cache, position_ids=positions[:, :24])
-        assert cache.tokens_held() == 9 and cache.get_seq_length() == 24
-        dense = DynamicCache(config=model.config)
-        for i, layer in enumerate(cache.layers):
-            dense.update(*(t.clone() for t in layer.held_keys_values()), i)
-        valid = cache.layers[0].held_valid()[:, 0].long()
-        pos_ids = positions[:, 24:]
-        out = model(ids[:, 24:], attention_mask=am, past_key_values=cache, position_ids=pos_ids).logits
-        ref_mask = torch.cat([valid, am[:, 24:]], 1)
-        ref = model(ids[:, 24:], attention_mask=ref_mask, past_key_values=dense, position_ids=pos_ids).logits
-    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-
-
 def test_plain_sdpa_model_gets_a_clear_error(tiny_model):
     model = tiny_model
     model.set_attn_implementation("sdpa")
@@ -302,38 +270,20 @@ def test_plain_sdpa_model_gets_a_clear_error(tiny_model):
 
 # ---- crop before eviction ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
-    "options",
-    [dict(policy="h2o"), dict(policy="h2o", decay=0.8), dict(policy="hybrid", sink_length=2),
-     dict(policy="h2o", head_budgets=True), dict(policy="snapkv", window=8)],
-    ids=["h2o", "h2o-decay", "hybrid", "head-budgets", "snapkv"],
+    "policy",
+    [H2OPolicy(decay=0.8), HybridPolicy(sink_length=2), AdaKV(H2OPolicy()), SnapKVPolicy(window=8)],
+    ids=["h2o-decay", "hybrid-sinks2", "head-budgets", "snapkv-w8"],
 )
-def test_crop_leaves_the_cache_that_never_saw_the_cropped_tokens(tiny_model, options):
-    """A forward of 5 tokens cropped by 3 (assisted decoding rejecting candidates) before anything was evicted must
-    leave the cache that a forward of the 2 kept tokens leaves: the same scores (without the mass the cropped
-    queries gave, which made the four mass cases evict other tokens), then the same evictions and logits once the
-    budget is reached. snapkv keeps nothing more for crop: the 3 tokens to come before any eviction refill its
-    window."""
-    model = tiny_model
-    model.set_attn_implementation("hf_kvcache")
-    ids = torch.randint(0, 97, (B, 30), generator=torch.Generator().manual_seed(2))
-    cache = H2OCache(config=model.config, budget=16, **options)
+def test_crop_leaves_the_cache_that_never_saw_the_cropped_tokens(tiny_model, policy):
+    """The contract's crop check (`policy_contract`) beyond each policy's defaults: with decay the mass of the kept
+    queries of the cut forward is recomputed too; ragged heads are expanded and compacted again. The queries kept
+    for crop go with the first eviction (window policies keep theirs)."""
+    tiny_model.set_attn_implementation("hf_kvcache")
+    check_crop_before_eviction(tiny_model, policy)
+    cache = H2OCache(config=tiny_model.config, budget=4, policy=policy)
     with torch.inference_mode():
-        model(ids[:, :10], past_key_values=cache)
-        never = copy.deepcopy(cache)
-        model(ids[:, 10:15], past_key_values=cache)  # 15 tokens held: nothing evicted yet
-        cache.crop(-3)
-        model(ids[:, 10:12], past_key_values=never)
-        assert cache.get_seq_length() == never.get_seq_length() == 12
-        if never.layers[0].held_scores() is not None:
-            for a, b in zip(cache.layers, never.layers):
-                torch.testing.assert_close(a.held_scores(), b.held_scores(), atol=1e-5, rtol=0)
-        for start, end in ((12, 13), (13, 20), (20, 21)):  # the budget is reached at 17 tokens
-            got = model(ids[:, start:end], past_key_values=cache).logits
-            want = model(ids[:, start:end], past_key_values=never).logits
-            for a, b in zip(cache.layers, never.layers):
-                assert torch.equal(a.held_positions(), b.held_positions())
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
-    layer = cache.layers[0]  # the queries kept for crop go with the first eviction (window policies keep theirs)
+        tiny_model(torch.randint(0, 97, (B, 12), generator=torch.Generator().manual_seed(2)), past_key_values=cache)
+    layer = cache.layers[0]
     assert layer.evicted() > 0 and (layer.ring is None) == (layer.window == 0)
 
 
@@ -384,7 +334,7 @@ def test_crop_it_cannot_undo_stops_the_next_forward(tiny_model):
             model(ids[:, 10:11], past_key_values=cropped(2, quant_bits=8))
         cache.reset()
         model(ids[:, :4], past_key_values=cache)  # a reset cache is a fresh one
-    with pytest.raises(ValueError, match="crop_window applies to the policies that accumulate"):
+    with pytest.raises(ValueError, match="crop_window applies to the h2o / hybrid policies, not 'tova'"):
         H2OCache(config=model.config, policy="tova", crop_window=8)
     with pytest.raises(ValueError, match="crop_window must be a non-negative integer"):
         H2OCache(config=model.config, crop_window=-1)

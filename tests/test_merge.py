@@ -1,4 +1,4 @@
-"""Merging evicted tokens into kept ones (`H2OOptions.merge`, `hf_kvcache.caches.merge`)."""
+"""Merging evicted tokens into kept ones (`policy.wrappers.Merge`, `hf_kvcache.caches.evict.merge`)."""
 
 import math
 
@@ -9,7 +9,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import hf_kvcache  # noqa: F401  (registers the cache names and the attention)
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.h2o import H2OOptions
-from hf_kvcache.caches.merge import fold_evicted
+from hf_kvcache.caches.evict.merge import fold_evicted
 
 
 def _attend(q, k, v, log_weight, held):

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import hf_kvcache  # noqa: F401  (registers the attention and the cache names)
 from hf_kvcache import H2OCache
 from hf_kvcache.policy import POLICIES, SlotView
-from hf_kvcache.policy.base import removal_error, window_attention
+from hf_kvcache.policy.attention import removal_error, window_attention
 from hf_kvcache.policy.expected import expected_attention, query_statistics
 
 D = 8
@@ -71,7 +71,7 @@ def test_expected_output_error_is_the_removal_error_of_the_expected_attention():
     torch.testing.assert_close(got, removal_error(probs[:, :, :, None], values)[:, :, 0])
     assert (got[0, 1, :2] == 0).all()
     policy = POLICIES["expected"](future=0, sink_length=0, output_error=True)
-    assert policy.uses_values and not policy.value_norm
+    assert policy.uses_values and not policy.value_weighted
     view = SlotView(None, torch.arange(n)[None, None].expand(1, kv, n), valid, seen=n, keys=keys, values=values,
                     queries=queries, query_positions=torch.arange(n - w, n), query_valid=torch.ones(1, w, dtype=bool),
                     scaling=D**-0.5)

@@ -8,13 +8,18 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 import hf_kvcache  # noqa: F401  (registers the attention)
+from attention_driver import drive
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.h2o import H2OOptions
-from hf_kvcache.policy import POLICIES, SlotView
+from hf_kvcache.policy import (
+    POLICIES, AdaKV, ExpectedAttentionPolicy, H2OPolicy, SlotView, SnapKVPolicy, TOVAPolicy,
+)
 from hf_kvcache import attention as attn
 from hf_kvcache.caches.base import LAYER_ATTR, CompressedLayer
-from hf_kvcache.policy.base import window_attention, window_logits
+from hf_kvcache.policy.attention import window_attention, window_logits
 from hf_kvcache.quant.kivi import KIVIQuantized
+from hf_kvcache.quant.token import TokenQuant
+from policy_contract import check_decode_equals_dense_over_kept
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
 
@@ -24,17 +29,6 @@ def tiny_config(head_dim=D):
         num_hidden_layers=LAYERS, num_attention_heads=H * G, num_key_value_heads=H, head_dim=head_dim, hidden_size=64,
         intermediate_size=128, vocab_size=97,
     )
-
-
-def feed(cache, k, v, q=None, mass=None, visible=None, scaling=1.0):
-    """One forward's worth of cache traffic without a model: update, report queries / visibility / mass."""
-    for i in range(LAYERS):
-        keys, _ = cache.update(k, v, i)
-        layer = cache.layers[i]
-        if layer.query_window and q is not None:
-            layer.observe_queries(q[:, :, -layer.query_window:], scaling)
-        layer.observe_visible_keys(visible)
-        layer.observe_attention(torch.zeros(B, H, keys.shape[2]) if mass is None else mass(keys.shape[2]))
 
 
 def kept(cache, layer=0):
@@ -100,7 +94,7 @@ def test_tova_keeps_what_the_newest_query_attends():
     q = torch.zeros(B, H * G, 8, D)
     q[:, :, -1, [1, 4, 6]] = 20.0  # the newest query looks at tokens 1, 4, 6 (older queries look elsewhere)
     q[:, :, :-1, [0, 2, 3]] = 20.0
-    feed(cache, k, k, q=q)
+    drive(cache, k, k, queries=q)
     assert kept(cache)[0, 0].tolist() == [1, 4, 6] and kept(cache, 1)[1, 1].tolist() == [1, 4, 6]
     assert cache.layers[0].held_scores() is None  # no accumulated mass stored for window policies
 
@@ -110,7 +104,7 @@ def test_snapkv_window_pooling_and_protected_window():
     k = one_hot_keys(12)
     q = torch.zeros(B, H * G, 12, D)
     q[:, :, -2:, [2, 5]] = 20.0  # the last two queries look at tokens 2 and 5, and at nothing newer
-    feed(cache, k, k, q=q)
+    drive(cache, k, k, queries=q)
     # the observation window (2 newest tokens) is kept, then the 4 best by window attention: 2, 5 and two of the rest
     pos = kept(cache)[0, 0].tolist()
     assert {2, 5, 10, 11} <= set(pos) and len(pos) == 6
@@ -119,7 +113,7 @@ def test_snapkv_window_pooling_and_protected_window():
     q = torch.zeros(B, H * G, 12, D)
     q[:, :, -1, 5] = 20.0  # one strong token -> its neighbours 4 and 6 get a third of it after pooling
     q[:, :, -1, 9] = 2.0
-    feed(cache, k, k, q=q)
+    drive(cache, k, k, queries=q)
     assert kept(cache)[0, 0].tolist()[:3] == [4, 5, 6]
     # the window never takes more than half the budget (the sink survives a small early budget)
     assert POLICIES["snapkv"](window=32).split(10)[1] == 0
@@ -133,7 +127,7 @@ def test_snapkv_window_pooling_and_protected_window():
 def test_window_policy_without_queries_says_what_is_missing():
     cache = H2OCache(config=tiny_config(), budget=3, policy="tova")
     with pytest.raises(RuntimeError, match="observe_queries"):
-        feed(cache, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D))  # no queries reported
+        drive(cache, torch.randn(B, H, 5, D), torch.randn(B, H, 5, D))  # no queries reported
 
 
 def test_knorm_keeps_lowest_norm_keys_without_attention():
@@ -141,7 +135,7 @@ def test_knorm_keeps_lowest_norm_keys_without_attention():
     norms = torch.tensor([5.0, 1.0, 4.0, 0.5, 3.0, 2.0])
     k = torch.zeros(B, H, 6, D)
     k[..., 0] = norms
-    feed(cache, k, k)  # no queries needed
+    drive(cache, k, k)  # no queries needed
     assert kept(cache)[1, 0].tolist() == [1, 3, 5]
     assert cache.layers[0].query_window == 0
 
@@ -151,10 +145,10 @@ def test_h2o_decay_fades_old_mass():
     faded = H2OCache(config=tiny_config(), budget=2, recent_length=0, decay=0.5)
     k = torch.randn(B, H, 2, D)
     for cache in (plain, faded):
-        feed(cache, k, k, mass=lambda n: torch.tensor([1.0, 0.0]).expand(B, H, n).clone())
+        drive(cache, k, k, mass=lambda n: torch.tensor([1.0, 0.0]).expand(B, H, n).clone())
         # 4 queries later token 2 draws 0.2 per forward: 1.0 * 0.5**4 < 0.2 once faded
         for _ in range(4):
-            feed(cache, k[:, :, :1], k[:, :, :1], mass=lambda n: torch.tensor([0.0] * (n - 1) + [0.2]).expand(B, H, n).clone())
+            drive(cache, k[:, :, :1], k[:, :, :1], mass=lambda n: torch.tensor([0.0] * (n - 1) + [0.2]).expand(B, H, n).clone())
     assert 0 in kept(plain)[0, 0].tolist()
     assert 0 not in kept(faded)[0, 0].tolist()
     assert torch.allclose(faded.layers[0].held_scores()[0, 0].max(), torch.tensor(0.2))
@@ -165,14 +159,14 @@ def test_h2o_decay_fades_old_mass():
     "options,match",
     [
         (dict(budget=1), r"budget=1 keeps a single token; for all tokens use budget=1\.0"),
-        (dict(policy="tova", decay=0.9), "decay applies to the policies that accumulate attention mass"),
+        (dict(policy="tova", decay=0.9), "decay applies to the h2o / hybrid policies, not 'tova'"),
         (dict(decay=1.5), r"decay must be a number in \(0, 1\]"),
         (dict(policy="tova", window=4), "window applies to the snapkv / expected policies"),
         (dict(policy="snapkv", pool=4), "pool must be odd"),
         (dict(policy="snapkv", window=0), "window must be a positive integer"),
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
         (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
-        (dict(policy="knorm", sink_length=2), r"sink_length applies to the policies that keep sinks \(sinks, hybrid, expected\)"),
+        (dict(policy="knorm", sink_length=2), r"sink_length applies to the sinks / hybrid / expected policies"),
         (dict(budget=100, min_budget=10), "min_budget applies to a ratio budget"),
         (dict(min_budget=0), "min_budget must be a positive integer"),
         (dict(policy="knorm", head_budgets=True), "head_budgets shares a layer's budget across its heads"),
@@ -192,7 +186,7 @@ def test_min_budget_floors_a_ratio_budget():
 
 def test_budget_one_float_keeps_everything_and_group_must_divide_head_dim():
     cache = H2OCache(config=tiny_config(), budget=1.0)
-    feed(cache, torch.randn(B, H, 9, D), torch.randn(B, H, 9, D))
+    drive(cache, torch.randn(B, H, 9, D), torch.randn(B, H, 9, D))
     assert cache.tokens_held() == 9
     cache = H2OCache(config=tiny_config(), budget=4, quant_bits=4, quant_group_size=6)
     with pytest.raises(ValueError, match="quant_group_size=6 must divide the head_dim 16"):
@@ -206,7 +200,7 @@ def test_quantized_storage_bytes_and_values(bits, group):
     g = torch.Generator().manual_seed(0)
     k, v = torch.randn(B, H, 10, D, generator=g), torch.randn(B, H, 10, D, generator=g)
     q = torch.randn(B, H * G, 10, D, generator=g)
-    feed(cache, k, v, q=q)
+    drive(cache, k, v, queries=q)
     layer = cache.layers[0]
     groups = D // (group or D)
     per_slot = 2 * (D * bits // 8 + 2 * 2 * groups) + 4 + 1  # codes + fp16 scale/zero, keys and values; pos, valid
@@ -253,8 +247,8 @@ def test_prerope_keys_quantize_biased_channels_better_than_token_keys():
     err = {}
     for mode in ("prerope", "token"):
         cache = H2OCache(config=tiny_config(), budget=1.0, policy="recent", quant_bits=4, key_quant=mode)
-        feed(cache, keys[:, :, :40], v[:, :, :40])
-        feed(cache, keys[:, :, 40:], v[:, :, 40:])
+        drive(cache, keys[:, :, :40], v[:, :, :40])
+        drive(cache, keys[:, :, 40:], v[:, :, 40:])
         held, _ = cache.layers[0].held_keys_values()
         err[mode] = float((held - keys).norm() / keys.norm())
     assert err["prerope"] < 0.02 and 4 * err["prerope"] < err["token"], err
@@ -264,12 +258,12 @@ def test_prerope_keys_quantize_biased_channels_better_than_token_keys():
 def test_prerope_stats_fit_after_32_keys_requantize_the_first_and_count_in_bytes():
     keys, v = _biased_keys(48, seed=1)
     cache = H2OCache(config=tiny_config(), budget=1.0, policy="recent", quant_bits=4)
-    feed(cache, keys[:, :, :10], v[:, :, :10])
+    drive(cache, keys[:, :, :10], v[:, :, :10])
     layer = cache.layers[0]
     before = layer.nbytes()
     assert not layer.key_codec.fitted and layer.key_codec.tensors() == []
     early, _ = layer.held_keys_values()
-    feed(cache, keys[:, :, 10:48], v[:, :, 10:48])  # 48 held >= 32: fitted, the first 10 quantized again
+    drive(cache, keys[:, :, 10:48], v[:, :, 10:48])  # 48 held >= 32: fitted, the first 10 quantized again
     assert layer.key_codec.fitted and layer.key_codec.shift.shape == (1, H, 1, D)
     held, _ = layer.held_keys_values()
     err = (held - keys).norm(dim=-1) / keys.norm(dim=-1)
@@ -291,8 +285,8 @@ def test_quantized_cache_keeps_its_query_ring_in_8_bits():
     cache = H2OCache(config=tiny_config(), budget=6, policy="snapkv", window=4, quant_bits=4)
     g = torch.Generator().manual_seed(3)
     q = torch.randn(B, H * G, 7, D, generator=g)
-    feed(cache, torch.randn(B, H, 5, D, generator=g), torch.randn(B, H, 5, D, generator=g), q=q[:, :, :5])
-    feed(cache, torch.randn(B, H, 2, D, generator=g), torch.randn(B, H, 2, D, generator=g), q=q[:, :, 5:])
+    drive(cache, torch.randn(B, H, 5, D, generator=g), torch.randn(B, H, 5, D, generator=g), queries=q[:, :, :5])
+    drive(cache, torch.randn(B, H, 2, D, generator=g), torch.randn(B, H, 2, D, generator=g), queries=q[:, :, 5:])
     ring = cache.layers[0].ring
     assert ring.stored.dtype == torch.int8 and ring.query_scale.shape == (B, H * G, 4, 1)
     assert ring.positions.tolist() == [3, 4, 5, 6]
@@ -317,7 +311,7 @@ def test_prerope_keys_need_the_config_or_token_keys():
     with pytest.raises(ValueError, match=r"undoes RoPE on the keys, which needs the config.*key_quant='token'"):
         H2OCache(budget=4, quant_bits=4)
     cache = H2OCache(budget=4, policy="tova", quant_bits=4, key_quant="token")  # no config needed
-    feed(cache, torch.randn(B, H, 6, D), torch.randn(B, H, 6, D), q=torch.randn(B, H * G, 6, D))
+    drive(cache, torch.randn(B, H, 6, D), torch.randn(B, H, 6, D), queries=torch.randn(B, H * G, 6, D), layers=LAYERS)
     assert cache.tokens_held() == 4
 
 
@@ -329,41 +323,18 @@ def tiny_model():
 
 
 @pytest.mark.parametrize(
-    "options",
+    "policy,options",
     [
-        dict(policy="tova"), dict(policy="snapkv", window=8, pool=3), dict(policy="knorm"),
-        dict(policy="h2o", decay=0.9), dict(policy="tova", quant_bits=4, quant_group_size=8),
-        dict(policy="expected", window=8), dict(policy="expected", window=8, mass_share=0.3),
+        (SnapKVPolicy(window=8, pool=3), {}), (H2OPolicy(decay=0.9), {}),
+        (TOVAPolicy(), dict(quant=TokenQuant(bits=4, group_size=8))), (ExpectedAttentionPolicy(window=8), {}),
+        (ExpectedAttentionPolicy(window=8, mass_share=0.3), {}),
     ],
-    ids=["tova", "snapkv", "knorm", "h2o-decay", "tova-int4", "expected", "expected-mass"],
+    ids=["snapkv-w8-pool3", "h2o-decay", "tova-int4", "expected-w8", "expected-mass"],
 )
-def test_padded_batch_prefill_then_decode_equals_dense_over_kept(tiny_model, options):
-    """Left-padded batch: after a prefill and after every decode step (each evicting one token), the next step
-    through H2OCache equals a DynamicCache holding exactly the kept (dequantized) keys/values."""
-    model = tiny_model
-    model.set_attn_implementation("hf_kvcache")
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, 97, (B, 30), generator=g)
-    am = torch.ones(B, 30, dtype=torch.long)
-    am[1, :7] = 0
-    positions = (am.cumsum(-1) - 1).clamp(min=0)
-    cache = H2OCache(config=model.config, budget=9, **options)
-    with torch.inference_mode():
-        model(ids[:, :24], attention_mask=am[:, :24], past_key_values=cache, position_ids=positions[:, :24])
-        for t in range(24, 30):
-            assert cache.tokens_held() == 9 and cache.get_seq_length() == t
-            dense = DynamicCache(config=model.config)
-            for i, layer in enumerate(cache.layers):
-                k, v = layer.materialize()
-                dense.update(k.clone(), v.clone(), i)
-            valid = cache.layers[0].held_valid()[:, 0].long()
-            sl = slice(t, t + 1)
-            out = model(ids[:, sl], attention_mask=am[:, : t + 1], past_key_values=cache,
-                        position_ids=positions[:, sl]).logits
-            ref = model(ids[:, sl], attention_mask=torch.cat([valid, am[:, sl]], 1), past_key_values=dense,
-                        position_ids=positions[:, sl]).logits
-            torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
-    assert cache.layers[0].held_valid()[1].all()  # padding went first
+def test_padded_batch_prefill_then_decode_equals_dense_over_kept(tiny_model, policy, options):
+    """The contract's exact-decoding check (`policy_contract`) for options beyond each policy's defaults."""
+    tiny_model.set_attn_implementation("hf_kvcache")
+    check_decode_equals_dense_over_kept(tiny_model, policy, **options)
 
 
 def test_beam_reorder_moves_the_query_ring(tiny_model):
@@ -444,14 +415,14 @@ def test_select_across_heads_follows_the_score_mass():
     window[0, 1, 0] = torch.linspace(1.0, 0.5, slots)  # head 1: spread over every token
     view = SlotView(None, torch.arange(slots).expand(1, 2, slots), torch.ones(1, 2, slots, dtype=torch.bool),
                     window=window)
-    keep = POLICIES["tova"]().select_across_heads(view, budget=5, floor=0.2)
+    keep = AdaKV(POLICIES["tova"](), floor=0.2).select_across_heads(view, budget=5)
     assert keep.sum().item() == 10 and keep[0, 0, 3]
     assert keep[0, 0].sum().item() == 1 and keep[0, 1].sum().item() == 9  # floor: int(0.2 * 5) = 1 slot per head
     # slots that hold nothing are never kept
     view.positions = view.positions.clone()
     view.positions[0, 1, :4] = -1
     view.valid = view.positions >= 0
-    keep = POLICIES["tova"]().select_across_heads(view, budget=5)
+    keep = AdaKV(POLICIES["tova"]()).select_across_heads(view, budget=5)
     assert not keep[0, 1, :4].any()
 
 
@@ -468,7 +439,7 @@ def test_select_across_heads_value_norm_reorders_within_a_head_only():
     values[0, 0, 9] *= 3.0  # head 0: its newest token's value is large: kept although its attention is the lowest
     view = SlotView(None, torch.arange(slots).expand(1, 2, slots), torch.ones(1, 2, slots, dtype=torch.bool),
                     window=window, values=values)
-    keep = POLICIES["tova"](value_norm=True).select_across_heads(view, budget=5, floor=0.2)
+    keep = AdaKV(POLICIES["tova"](value_norm=True), floor=0.2).select_across_heads(view, budget=5)
     assert keep[0, 0].sum().item() == 5 and keep[0, 1].sum().item() == 5
     assert keep[0, 0, 9] and not keep[0, 0, 5]
 
@@ -524,7 +495,7 @@ def test_head_budgets_with_quant_bits_and_pyramid():
     k = torch.randn(B, H, 10, D, generator=g)
     q = torch.zeros(B, H * G, 10, D)
     q[:, :G, -1] = k[:, 0, -1] * 30  # KV head 0: its query heads attend one token; head 1's see a spread
-    feed(cache, k, k, q=q)
+    drive(cache, k, k, queries=q)
     layer = cache.layers[0]
     assert layer.counts.sum(-1).tolist() == [2 * 6] * B and isinstance(layer.slots.keys, KIVIQuantized)
     assert layer.slots.keys.codes.dim() == 2  # flat [kept, packed]

@@ -2,7 +2,7 @@
 
 from .base import CompressedCache, CompressedLayer, memory_stats
 from .cpac import CPACCache, CPACLayer, CPACOptions
-from .h2o import H2OCache, H2OLayer, H2OOptions
+from .evict import EvictOptions, H2OCache, H2OLayer, H2OOptions
 from .tiered import KIVICache, KIVILayer, KIVIOptions, TieredQuantCache, TieredQuantLayer, TieredQuantOptions
 from .uniform import UniformQuantCache, UniformQuantLayer, UniformQuantOptions
 
@@ -11,6 +11,7 @@ __all__ = [
     "CPACLayer",
     "CPACOptions",
     "CompressedCache",
+    "EvictOptions",
     "H2OCache",
     "H2OLayer",
     "H2OOptions",

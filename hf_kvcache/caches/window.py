@@ -1,10 +1,10 @@
 """`QuantizedWindowLayer`: a sliding-window layer (Gemma-3's local layers) that holds its window quantized.
 
-`H2OCache` with `quant_bits` uses it for the model's sliding-window layers. Those layers see only the last
-`sliding_window` positions, so there is nothing to evict by score: the layer keeps the newest `sliding_window - 1`
-tokens, as transformers' sliding layer does (same mask sizes), stored as KIVI per-token codes of `quant_bits` (keys
-pre-RoPE, shifted and scaled per channel with `key_quant="prerope"`: `quant.prerope`). Without it those layers would
-stay in the model's dtype and hold most of the cache (15 of Gemma-3-270M's 18 layers).
+`H2OCache` with `quant` (`quant.token.TokenQuant`) uses it for the model's sliding-window layers. Those layers see
+only the last `sliding_window` positions, so there is nothing to evict by score: the layer keeps the newest
+`sliding_window - 1` tokens, as transformers' sliding layer does (same mask sizes), stored as KIVI per-token codes
+of `quant.bits` (keys pre-RoPE, shifted and scaled per channel with `key_quant="prerope"`: `quant.prerope`). Without
+it those layers would stay in the model's dtype and hold most of the cache (15 of Gemma-3-270M's 18 layers).
 
 Storage: `keys` / `values`: `KIVIQuantized` (codes `[batch, kv_heads, held, packed]`, fp16 scale / zero `[.., groups]`);
 the held tokens are the positions `seen - held .. seen - 1`.
@@ -12,17 +12,13 @@ the held tokens are the positions `seen - held .. seen - 1`.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from ..options import check_positive_int
-from ..quant.kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
+from ..quant.kivi import KIVIQuantized, dequantize_kivi
 from ..quant.prerope import PreRopeKeys
+from ..quant.token import TokenQuant
 from .base import CompressedLayer
-
-if TYPE_CHECKING:
-    from .h2o import H2OOptions
 
 
 def check_window_crop(layer: CompressedLayer, n: int) -> None:
@@ -37,20 +33,17 @@ def check_window_crop(layer: CompressedLayer, n: int) -> None:
 class QuantizedWindowLayer(CompressedLayer):
     """The newest `sliding_window - 1` tokens of a sliding-window layer, quantized (see the module docstring)."""
 
-    options: "H2OOptions"
     supports_sliding = True
 
-    def __init__(self, options: "H2OOptions", sliding_window: int) -> None:
-        super().__init__(options)
+    def __init__(self, quant: TokenQuant, sliding_window: int) -> None:
+        super().__init__()
         check_positive_int("sliding_window", sliding_window)
+        self.quant = quant
         self.sliding_window = sliding_window
         self.is_sliding = True
         self.key_codec: PreRopeKeys | None = None  # key_quant="prerope"; set by H2OCache
         self.key_codes: KIVIQuantized | None = None
         self.value_codes: KIVIQuantized | None = None
-
-    def _quantize(self, x: torch.Tensor) -> KIVIQuantized:
-        return quantize_kivi(x, self.options.quant_bits, self.options.quant_group_size or x.shape[-1], axis="token")
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         n = key_states.shape[2]
@@ -58,8 +51,8 @@ class QuantizedWindowLayer(CompressedLayer):
         if self.key_codec is not None:
             held_k, new_k = self.key_codec.encode(key_states, self.cumulative_length - n, held_k)
         else:
-            new_k = self._quantize(key_states)
-        new_v = self._quantize(value_states)
+            new_k = self.quant.quantize(key_states)
+        new_v = self.quant.quantize(value_states)
         keys = new_k if held_k is None else held_k.cat(new_k)
         values = new_v if self.value_codes is None else self.value_codes.cat(new_v)
         drop = keys.tokens - (self.sliding_window - 1)

@@ -17,7 +17,7 @@ one window of logits (what snapkv computes), never a `[head_dim, head_dim]` matr
 
 `mass_share` s in [0, 1) blends in the attention the held tokens actually received (h2o's accumulated mass): the
 priority is `(1 - s) E + s M`, E and M each normalized to sum 1 over the slots a row's head may evict (the sinks and
-recent window left out, whose mass would swamp the rest). Off by default; the README reports what it gave.
+recent window left out, whose mass would swamp the rest). Off by default.
 
 `sinks_in_softmax=False` leaves the sinks out of the softmax (kvpress's ExpectedAttentionPress scores the keys after
 its sinks only): each query head then spreads a whole unit of expected attention over the evictable keys, so a head
@@ -27,35 +27,44 @@ that sends most of its attention to the sinks weighs as much in its group's sum 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from .base import INF, EvictionPolicy, SlotView, removal_error
+from ..options import check_bool, check_int, check_number
+from .attention import removal_error
+from .base import INF, SlotView
+from .options import ObservationWindow, RingPolicy, WithSinks
 
 DEFAULT_FUTURE = 512  # upcoming positions the modelled queries are spread over (kvpress's n_future_positions)
 
 
-class ExpectedAttentionPolicy(EvictionPolicy):
-    name = "expected"
-    needs_scores = True
-    uses_keys = True
-    uses_queries = True
-    uses_sinks = True
-    ranks_by_attention = True
-    default_recent_share = 0.0
-    default_value_norm = True
+@dataclass(kw_only=True)
+class ExpectedAttentionPolicy(ObservationWindow, WithSinks, RingPolicy):
+    """Options: `window` (recent queries modelled, default 32), `sink_length` (default 4), `future` (default 512; 0
+    keeps the queries where they are and needs no config), `mass_share` in [0, 1) (default 0), `sinks_in_softmax`
+    (default True), `value_norm` (default True here) and `output_error` (`policy.options.RingPolicy`)."""
 
-    def __init__(
-        self, *args, future: int = DEFAULT_FUTURE, mass_share: float = 0.0, sinks_in_softmax: bool = True, **kwargs
-    ) -> None:
-        super().__init__(*args, **kwargs)
-        self.future = future
-        self.mass_share = mass_share
-        self.sinks_in_softmax = sinks_in_softmax
-        if mass_share > 0:
-            self.uses_mass = True  # the layer accumulates the attention mass (`view.scores`) for this instance
+    name: ClassVar[str] = "expected"
+    uses_keys: ClassVar[bool] = True
+    uses_queries: ClassVar[bool] = True
+    default_recent_share: ClassVar[float] = 0.0
+    default_value_norm: ClassVar[bool] = True
+    future: int = DEFAULT_FUTURE
+    mass_share: float = 0.0
+    sinks_in_softmax: bool = True
 
-    def query_window(self) -> int:
-        return self.window
+    def validate(self) -> None:
+        super().validate()
+        check_int("future", self.future, lo=0, hint=" (upcoming positions; 0 = no RoPE shift)")
+        check_number("mass_share", self.mass_share, 0.0, 1.0, hi_open=True,
+                     hint=" (the share of the received attention mass)")
+        check_bool("sinks_in_softmax", self.sinks_in_softmax)
+
+    @property
+    def uses_mass(self) -> bool:
+        return self.mass_share > 0  # the layer then accumulates the attention mass (`view.scores`)
 
     def needs_rope(self) -> bool:
         return self.future > 0
@@ -74,10 +83,6 @@ class ExpectedAttentionPolicy(EvictionPolicy):
             free = view.valid & ~protected
             score = (1 - self.mass_share) * _share(score, free) + self.mass_share * _share(view.scores, free)
         return score.masked_fill(protected, INF)
-
-    def __repr__(self) -> str:
-        return (f"{type(self).__name__}(window={self.window}, future={self.future}, value_norm={self.value_norm}, "
-                f"mass_share={self.mass_share}, sinks_in_softmax={self.sinks_in_softmax})")
 
 
 def _share(score: torch.Tensor, free: torch.Tensor) -> torch.Tensor:

@@ -1,19 +1,20 @@
-"""`hybrid`: attention sinks + heavy hitters + a recent window."""
+"""`hybrid`: attention sinks + heavy hitters + a recent window (options: those of `h2o` and `sink_length`)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from .base import INF, EvictionPolicy, SlotView
+from .base import INF, SlotView
+from .options import MassPolicy, WithSinks
 
 
-class HybridPolicy(EvictionPolicy):
-    name = "hybrid"
-    needs_scores = True
-    ranks_by_attention = True
-    uses_mass = True
-    uses_sinks = True
-    default_recent_share = 0.5
+@dataclass(kw_only=True)
+class HybridPolicy(WithSinks, MassPolicy):
+    name: ClassVar[str] = "hybrid"
+    default_recent_share: ClassVar[float] = 0.5
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         sinks, recent = self.split(budget)

@@ -7,16 +7,20 @@ Strategy for KV Cache Compression"), so the largest-norm keys go first. No recen
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from .base import INF, EvictionPolicy, SlotView
+from .base import INF, SlotView
+from .options import ScoredPolicy
 
 
-class KNormPolicy(EvictionPolicy):
-    name = "knorm"
-    needs_scores = True
-    uses_keys = True
-    default_recent_share = 0.0
+@dataclass(kw_only=True)
+class KNormPolicy(ScoredPolicy):
+    name: ClassVar[str] = "knorm"
+    uses_keys: ClassVar[bool] = True
+    default_recent_share: ClassVar[float] = 0.0
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         _, recent = self.split(budget)

@@ -13,7 +13,7 @@ from typing import Callable
 
 import torch
 
-from .base import window_attention, window_logits
+from .attention import window_attention, window_logits
 
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from .base import INF, EvictionPolicy, SlotView
+from .base import INF, SlotView
+from .options import WithSinks
 
 
-class SinksPolicy(EvictionPolicy):
-    name = "sinks"
-    uses_sinks = True
+@dataclass(kw_only=True)
+class SinksPolicy(WithSinks):
+    name: ClassVar[str] = "sinks"
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         sinks, _ = self.split(budget)

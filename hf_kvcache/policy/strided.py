@@ -1,19 +1,25 @@
 """`strided`: a recent window plus older tokens sampled at an even stride over the rest of the history.
 
 Each eviction re-samples the older tokens still held at ranks 0, s, 2s, ..., so the kept past thins out uniformly
-over time and the oldest real token (the attention sink) is always one of the samples.
+over time and the oldest real token (the attention sink) is always one of the samples. Options: `recent_length` /
+`recent_ratio` (default: half the budget).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch
 
-from .base import INF, EvictionPolicy, SlotView
+from .base import INF, SlotView
+from .options import RecentWindow
 
 
-class StridedPolicy(EvictionPolicy):
-    name = "strided"
-    default_recent_share = 0.5
+@dataclass(kw_only=True)
+class StridedPolicy(RecentWindow):
+    name: ClassVar[str] = "strided"
+    default_recent_share: ClassVar[float] = 0.5
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         _, recent = self.split(budget)

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from ...policy.base import window_attention, window_logits
+from ...policy.attention import window_attention, window_logits
 from ...rope import KeyRotation
 from ..base import CompressedLayer
 from .delta import DeltaCodec

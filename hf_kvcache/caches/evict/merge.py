@@ -1,4 +1,4 @@
-"""Folding evicted tokens into the kept ones (`H2OOptions.merge`) instead of dropping what they carried.
+"""Folding evicted tokens into the kept ones (`policy.wrappers.Merge`) instead of dropping what they carried.
 
 Each evicted token goes into the kept slot whose key points the most the same way (the highest cosine of the held,
 post-RoPE keys, at least `similarity`; none: the token is just dropped). The kept slot's value becomes the average
