@@ -128,7 +128,7 @@ def use_for_cache(model, cache) -> bool:
 
     The switch stays (it is not undone after generation): for every other cache this attention computes exactly what
     SDPA computes, so later calls are unaffected. Returns True when it switched."""
-    if not getattr(cache, "needs_attention_mass", False):
+    if not cache.needs_attention_mass:
         return False
     current = getattr(model.config, "_attn_implementation", None)
     if current == NAME:

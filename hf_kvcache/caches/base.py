@@ -346,6 +346,10 @@ class CompressedCache(Cache):
 
     options_class: type[CacheOptions] = CacheOptions
     layer_class: type[CompressedLayer] = CompressedLayer
+    # what generate sets up for the cache (registry._attention_for): the "hf_kvcache" attention, which reports the
+    # attention mass its layers rank tokens by; and the fused attention reading the layers' segments in place
+    needs_attention_mass: bool = False
+    reads_fused: bool = False
     # generate prefills prompts longer than this in chunks of it, straight into the compressed storage (None: in one
     # forward, as transformers does by default); set it on an instance to change it for that cache
     prefill_chunk_size: int | None = 512
