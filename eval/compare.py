@@ -9,6 +9,7 @@ schema, a ratio / perplexity Pareto PNG.
     hf-kvcache compare --suite kernels --tokens 1024 4096   # decode-attention kernels on random tensors
     hf-kvcache compare --suite append --tokens 512 4096     # per-step append cost at each cache size
     hf-kvcache compare --suite passkey --caches dynamic h2o --budgets 0.2 0.5
+    hf-kvcache compare --suite ruler --tokens 4096 8192 --task-samples 8 --budgets 0.5 0.25 --json rows.json
 
 Every suite (`hf_kvcache.eval.suites`) returns rows of one schema (`hf_kvcache.eval.rows`: `suite`, `cache`,
 `model`, `tokens` and its metric columns), printed by one formatter and written by `--json`; rows that carry a ratio
@@ -73,19 +74,19 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     p.add_argument("--suite", default="perplexity", choices=list(SUITES),
                    help="what to measure (default perplexity); see the groups below for each suite's own options")
     p.add_argument("--model", default="smollm2-135m", help=model_help)
-    p.add_argument("--text", default="moby-dick", help="moby-dick, pydoc, a file, or path:config:split")
+    p.add_argument("--text", default="moby-dick", help="moby-dick, pydoc, shakespeare, a file, or path:config:split")
     p.add_argument("--start", type=int, default=5000, help="first token of the text window")
     p.add_argument("--tokens", type=int, nargs="+", default=None,
                    help="tokens scored / cached (perplexity 1024, peers / ablations / cpac 2048, decode 4096, "
-                        "passkey 1024); kernels and append take several lengths")
+                        "passkey 1024, ruler 4096); kernels, append, needle and ruler take several lengths")
     p.add_argument("--chunk", type=int, default=None,
                    help="tokens per forward (perplexity / cpac 32, decode prefill 512, passkey 0: one forward)")
     p.add_argument("--caches", nargs="+", default=None,
                    help="specs: name, name:{json}, or label=name:{json}; the first one is the baseline; added after "
                         "a preset suite's caches")
     p.add_argument("--budgets", type=float, nargs="+", default=None,
-                   help="passkey: each cache with a budget option at each budget (int: tokens, float <= 1: ratio); "
-                        "cpac: the memory_budget rows")
+                   help="passkey / needle / ruler: each cache with a budget option at each budget (int: tokens, "
+                        "float <= 1: ratio; ruler default 0.5 0.25); cpac: the memory_budget rows")
     p.add_argument("--decode-steps", type=int, default=None,
                    help="single-token steps timed (perplexity 16, 0: none; decode 64; append 64)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -105,6 +106,11 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
     g.add_argument("--mode", choices=MODES, default="agnostic", help=MODE_HELP)
+    g = p.add_argument_group("ruler (also --tokens, several; --caches, --budgets, --mode, --seed, --chunk)")
+    g.add_argument("--tasks", nargs="+", default=None, help="task names (default: all of them)")
+    g.add_argument("--task-samples", type=int, default=None, help="samples per task and length (default 8)")
+    g.add_argument("--resume", action="store_true",
+                   help="keep the sample rows already in --json and run only the missing ones")
     g = p.add_argument_group("needle")
     g.add_argument("--heatmaps", default=None, help="write one heatmap PNG per cache into this folder")
     g = p.add_argument_group("shared-prefix")
@@ -116,6 +122,15 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     g.add_argument("--head-dim", type=int, default=128)
     g.add_argument("--bits", type=int, default=2)
     g.add_argument("--iters", type=int, default=10, help="timed runs per variant (median)")
+
+
+def table_rows(rows: list[Row]) -> list[Row]:
+    """The rows `--from-json` prints: those of a suite that summarizes what it wrote (its `table_rows`) through it."""
+    suite = rows[0].get("suite") if rows else None
+    if suite not in SUITES:
+        return rows
+    module = importlib.import_module(f"{__package__}.suites.{SUITES[suite]}")
+    return module.table_rows(rows) if hasattr(module, "table_rows") else rows
 
 
 def options_of(args: argparse.Namespace) -> SuiteOptions:
@@ -136,13 +151,15 @@ def headline(opts: SuiteOptions, rows: list[Row]) -> str:
         line += f" chunk={opts.chunk}"
     if any("delta_pct" in r for r in rows):
         line += f" (delta vs {rows[0]['cache']})"
+    if any("delta_pts" in r for r in rows):
+        line += f" (points vs {rows[0]['cache']} on the same samples, 95 % paired interval)"
     return line
 
 
 def main_args(args: argparse.Namespace) -> int:
     if args.from_json:
         rows = read_rows(args.from_json)
-        print(format_rows(rows))
+        print(format_rows(table_rows(rows)))
         return 0
     opts = options_of(args)
     check_outputs(args.json, args.png)

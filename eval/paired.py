@@ -1,4 +1,5 @@
-"""Paired comparison of two caches streamed over the same tokens: their perplexity ratio with a bootstrap interval.
+"""Paired comparison of two caches streamed over the same tokens: their perplexity ratio with a bootstrap interval
+(and `paired_difference`: two systems' mean scores on the same items, e.g. task samples, with a paired interval).
 
     hf-kvcache paired 'docs/rows/evict_oe_target_qwen2.5-coder-0.5b.json#cache=snapkv-50%-merge-mass-oe' \\
         'docs/rows/kvpress_qwen2.5-coder-0.5b.json#press=expected_attention,budget=ratio:0.5'
@@ -63,15 +64,64 @@ def paired_ratio(a_nll: list[float], b_nll: list[float], tokens: torch.Tensor, b
         raise ValueError(f"block must be between 1 and the number of chunks ({a.numel()}), got {block}")
     diff, tokens = a - b, tokens.double()
     ratio = math.exp(float(diff.sum() / tokens.sum()))
-    # moving-block bootstrap: ceil(n / block) blocks of consecutive chunks, each starting anywhere it fits
     n = diff.numel()
-    g = torch.Generator().manual_seed(seed)
-    per_sample = -(-n // block)
-    starts = torch.randint(0, n - block + 1, (samples, per_sample), generator=g)
-    idx = (starts[..., None] + torch.arange(block)).reshape(samples, -1)[:, :n]
+    idx = bootstrap_indices(n, block, samples, torch.Generator().manual_seed(seed))
     stats = torch.exp(diff[idx].sum(1) / tokens[idx].sum(1))
-    low, high = torch.quantile(stats, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    low, high = _interval(stats)
     return PairedResult(ratio, low, high, float((diff < 0).double().mean()), n)
+
+
+def bootstrap_indices(n: int, block: int, samples: int, generator: torch.Generator) -> torch.Tensor:
+    """Moving-block bootstrap: `[samples, n]` indices into `n` items, each resample made of ceil(n / block) blocks of
+    `block` consecutive items, each block starting anywhere it fits (`block=1`: items drawn with replacement)."""
+    per_sample = -(-n // block)
+    starts = torch.randint(0, n - block + 1, (samples, per_sample), generator=generator)
+    return (starts[..., None] + torch.arange(block)).reshape(samples, -1)[:, :n]
+
+
+def _interval(stats: torch.Tensor) -> tuple[float, float]:
+    """The 2.5 / 97.5 % percentiles of bootstrap statistics."""
+    low, high = torch.quantile(stats.double(), torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return low, high
+
+
+@dataclass
+class PairedDifference:
+    """`difference` = mean score of A - mean score of B over the same items (with groups: the mean over groups of
+    each group's mean difference), `low` / `high` its bootstrap interval, over `n` pairs."""
+
+    difference: float
+    low: float
+    high: float
+    n: int
+
+
+def paired_difference(a: list[float], b: list[float], groups: list | None = None, samples: int = 10000,
+                      seed: int = 0) -> PairedDifference:
+    """The mean score difference of two systems scored on the same items (`a[i]` and `b[i]`: item i), with a paired
+    bootstrap interval: the items are resampled with replacement, the same items for both sides, within each group
+    (`groups[i]`: the group of item i, e.g. a task; each group weighs the same in the mean). A group of one item has
+    no spread to resample: when any group has fewer than 2 items, every item is one group (each item weighs the
+    same); fewer than 2 items in all: no interval (nan). An interval that holds 0 means the items cannot tell the two
+    apart."""
+    diff = torch.tensor(a, dtype=torch.float64) - torch.tensor(b, dtype=torch.float64)
+    if len(a) != len(b) or not len(a):
+        raise ValueError(f"give the two systems' scores on the same items, at least one: got {len(a)} and {len(b)}")
+    groups = [0] * len(a) if groups is None else list(groups)
+    if len(groups) != len(a):
+        raise ValueError(f"groups names the group of each item: {len(groups)} groups for {len(a)} items")
+    if len(a) < 2:
+        return PairedDifference(float(diff.mean()), math.nan, math.nan, len(a))
+    if min(groups.count(name) for name in set(groups)) < 2:
+        groups = [0] * len(a)
+    g = torch.Generator().manual_seed(seed)
+    means, stats = [], torch.zeros(samples, dtype=torch.float64)
+    for name in dict.fromkeys(groups):  # in order of first appearance
+        d = diff[torch.tensor([x == name for x in groups])]
+        means.append(float(d.mean()))
+        stats += d[bootstrap_indices(d.numel(), 1, samples, g)].mean(1)
+    low, high = _interval(stats / len(means))
+    return PairedDifference(sum(means) / len(means), low, high, len(a))
 
 
 def select_row(spec: str) -> dict:

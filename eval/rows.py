@@ -18,6 +18,7 @@ COMMON = ("suite", "cache", "model", "tokens")
 # key -> (format, header), in the order the table shows them
 COLUMNS: dict[str, tuple[str, str]] = {
     "cache": ("{}", "cache"),
+    "task": ("{}", "task"),
     "features": ("{}", "features"),
     "batch": ("{}", "batch"),
     "tokens": ("{}", "tokens"),
@@ -25,6 +26,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "delta_pct": ("{:+.2f}%", "delta"),
     "bytes": ("{:,}", "bytes held"),
     "ratio": ("{:.2f}x", "vs fp16"),
+    "answer_ratio": ("{:.2f}x", "vs fp16 (answered)"),
     "tokens_per_s": ("{:.0f}", "stream tok/s"),
     "decode_tokens_per_s": ("{:.1f}", "decode tok/s"),
     "median_tokens_per_s": ("{:.2f}", "median tok/s"),
@@ -70,6 +72,9 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "page_refs": ("{}", "refs"),
     "distinct_samples": ("{}", "distinct"),
     "samples_sha": ("{}", "samples sha"),
+    "delta_pts": ("{:+.1f}", "vs full (pts)"),
+    "low_pts": ("{:+.1f}", "low"),
+    "high_pts": ("{:+.1f}", "high"),
     "accuracy": ("{:.1%}", "mean"),
     "trials": ("{}", "trials"),
 }

@@ -202,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     from hf_kvcache.eval.compare import add_arguments as _compare_arguments
 
     p = sub.add_parser("compare", help="one benchmark runner: a suite (perplexity, peers, ablations, cpac, decode, "
-                       "kernels, append, passkey) over caches side by side; table, --json rows, --png Pareto plot")
+                       "kernels, append, passkey, needle, ruler, ...) over caches side by side; table, --json rows, "
+                       "--png Pareto plot")
     _compare_arguments(p, _model_help())
     p.set_defaults(func=_cmd_compare)
 

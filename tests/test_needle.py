@@ -64,8 +64,8 @@ def test_mode_and_cache_errors(smol, trial):
     model, tokenizer = smol
     with pytest.raises(ValueError, match="mode must be one of"):
         run_trial(model, tokenizer, SNAPKV_20, trial, mode="aware")
-    with pytest.raises(ValueError, match="use mode='agnostic' for it"):
-        question_aware_cache(model, CacheSpec.parse("int8"), 100, 10)
+    cache, keep = question_aware_cache(model, CacheSpec.parse("int8"), 100, 10)  # no budget: built as it is
+    assert keep is None and type(cache).__name__ == "UniformQuantCache"
 
 
 def test_needle_grid_one_row_per_cell_and_a_png(smol, moby_text, tmp_path):

@@ -24,13 +24,14 @@ SUITES: dict[str, str] = {
     "passkey": "passkey",
     "shared-prefix": "shared_prefix",
     "needle": "needle",
+    "ruler": "ruler",
 }
 
 
-# passkey / needle: how the cache meets the question (see `suites.passkey`)
+# passkey / needle / ruler: how the cache meets the question (see `suites.passkey`)
 MODES = ("agnostic", "question")
-MODE_HELP = ("agnostic: the context compressed before the question is seen; question: context + question prefilled, "
-             "then evicted to the budget (h2o, of the context) + the question, then decoded")
+MODE_HELP = ("agnostic: the context compressed before the question is seen; question: context + question prefilled "
+             "together, then (h2o) evicted to the budget of the context + the question, then decoded")
 
 
 def check_mode(mode: str) -> None:
@@ -46,10 +47,10 @@ class SuiteOptions:
     model: str = "smollm2-135m"
     text: str = "moby-dick"
     start: int = 5000
-    tokens: list[int] | None = None  # tokens scored / cached; several for kernels, append and needle
+    tokens: list[int] | None = None  # tokens scored / cached; several for kernels, append, needle and ruler
     chunk: int | None = None  # tokens per forward (passkey: 0 prefills the context in one forward)
     caches: list[str] | None = None  # cache specs (name, name:{json}, label=name:{json}); added to a preset
-    budgets: list[float] | None = None  # passkey: each budget-taking cache at each budget; cpac: memory budgets
+    budgets: list[float] | None = None  # passkey / needle / ruler: each budget-taker at each budget; cpac: memory
     decode_steps: int | None = None  # single-token steps timed
     threads: int | None = None
     device: str | None = None
@@ -71,14 +72,18 @@ class SuiteOptions:
     head_dim: int = 128  # kernels
     bits: int = 2  # kernels
     iters: int = 10  # kernels: timed runs (median)
+    tasks: list[str] | None = None  # ruler: task names (default: all)
+    task_samples: int | None = None  # ruler: samples per task and length
+    resume: bool = False  # ruler: keep the sample rows already in `json`, run the others
+    json: str | None = None  # the rows file (ruler writes its sample rows there as they come)
 
     def one_length(self, default: int) -> int:
         """The single `tokens` value of a suite that takes one (its default when none is given)."""
         if not self.tokens:
             return default
         if len(self.tokens) != 1:
-            raise ValueError(f"--suite {self.suite} takes one --tokens value, got {self.tokens}; only kernels, append "
-                             "and needle take several")
+            raise ValueError(f"--suite {self.suite} takes one --tokens value, got {self.tokens}; only kernels, append, "
+                             "needle and ruler take several")
         if self.tokens[0] < 2:
             raise ValueError(f"--tokens must be at least 2, got {self.tokens[0]}")
         return self.tokens[0]

@@ -32,7 +32,7 @@ def run(opts: SuiteOptions) -> list[Row]:
     text = load_text(opts.text)
     rows: list[Row] = []
     for spec in specs:
-        # question-aware: h2o and dynamic only (run_trial says so for any other cache)
+        # question-aware: an evicting cache other than h2o is refused (run_trial says so)
         grid = needle_grid(model, tokenizer, spec, lengths, tuple(opts.depths), opts.mode, opts.trials, text,
                            opts.seed, opts.new_tokens)
         if opts.heatmaps:

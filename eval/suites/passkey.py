@@ -9,16 +9,17 @@ Two modes (`mode`):
   key) goes through the cache first -- one forward, or `chunk`-token forwards -- so the cache compresses it with its
   own budget rule without seeing the question; then the question is fed and `new_tokens` tokens are decoded greedily
   (an `h2o` cache with a ratio budget keeps evicting to that ratio of the tokens seen as the question and answer come).
-* "question" (question-aware; `h2o` and `dynamic` only): context + question are prefilled together (`chunk`-token
-  forwards or one) into the h2o cache built with `budget=1.0`, so nothing is evicted until the question has been
-  seen; then `H2OCache.evict_to` drops every layer to the context budget + the question tokens, the question kept
-  whatever its score, scored by the policy with the queries it holds -- those of the question (tova: the last
-  question token; snapkv: the question tokens, `window` = their count unless the spec sets one; h2o: the mass of
-  every query so far; knorm: none) -- and the answer is decoded over that cache, which evicts nothing more (the
-  decoded tokens are all kept, as in kvpress). Budget: a ratio `f` keeps ceil(f x context tokens) context tokens, an
-  int budget that many context tokens; the question comes on top. The first answer token comes from the logits of
-  the prefill forward (every layer attended over the whole context; for SmolLM2 it is the space before the key's
-  digits), the others from the compressed cache.
+* "question" (question-aware): context + question are prefilled together (`chunk`-token forwards or one). A cache
+  without a budget (`dynamic`, the quantizing caches) is built as the spec says and only differs from "agnostic" in
+  that the question comes in the same prefill as the context. An `h2o` cache is built with `budget=1.0`, so nothing is
+  evicted until the question has been seen; then `H2OCache.evict_to` drops every layer to the context budget + the
+  question tokens, the question kept whatever its score, scored by the policy with the queries it holds -- those of
+  the question (tova: the last question token; snapkv: the question tokens, `window` = their count unless the spec
+  sets one; h2o: the mass of every query so far; knorm: none) -- and the answer is decoded over that cache, which
+  evicts nothing more (the decoded tokens are all kept, as in kvpress). Budget: a ratio `f` keeps ceil(f x context
+  tokens) context tokens, an int budget that many context tokens; the question comes on top. The first answer token
+  comes from the logits of the prefill forward (every layer attended over the whole context; for SmolLM2 it is the
+  space before the key's digits), the others from the compressed cache.
 A trial is correct when the first number in the answer is the key. Every cache runs on the same trials (same seed),
 with the same model; each result records `held`, the slots per KV head of layer 0 when the answer starts, and
 `bytes`, what the cache holds then (`memory_stats`).
@@ -43,6 +44,7 @@ import torch
 
 from ..assets import load_model, load_text
 from ..bench import CacheSpec, parse_specs
+from ..haystack import filler_window, nearest_split, sentence_splits
 from ..rows import Row, make_row
 from . import SuiteOptions, check_mode
 
@@ -53,7 +55,6 @@ INSTRUCTION = (
 NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 QUESTION = "\n\nQuestion: What is the pass key?\nAnswer: The pass key is"
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-SENTENCE_ENDS = (".", "!", "?", '."', '!"', '?"')
 
 
 @dataclass
@@ -62,12 +63,6 @@ class PasskeyTrial:
     key: str
     context_ids: list[int]  # instruction + filler with the key inside
     question_ids: list[int]
-
-
-def _sentence_ends(tokenizer, ids: list[int]) -> list[int]:
-    """Indices i such that a sentence ends with token i-1 (a split point before token i)."""
-    pieces = tokenizer.convert_ids_to_tokens(ids)
-    return [i + 1 for i, p in enumerate(pieces) if p.rstrip().endswith(SENTENCE_ENDS)]
 
 
 def make_trials(
@@ -99,14 +94,8 @@ def make_trials(
         for _ in range(trials):
             key = str(rng.randint(10000, 99999))
             needle = tokenizer(NEEDLE.format(key=key), add_special_tokens=False).input_ids
-            start = rng.randrange(0, len(book) - filler_len - 512)
-            window = book[start : start + filler_len + 512]
-            ends = _sentence_ends(tokenizer, window[:512])
-            first = ends[0] if ends else 0  # start at a sentence
-            filler = window[first : first + filler_len]
-            splits = [0] + _sentence_ends(tokenizer, filler[:-1]) + [len(filler)]
-            target = depth * len(filler)
-            cut = min(splits, key=lambda i: abs(i - target))
+            filler = filler_window(tokenizer, book, filler_len, rng)
+            cut = nearest_split(sentence_splits(tokenizer, filler), depth * len(filler))
             context = instruction + filler[:cut] + needle + filler[cut:]
             out.append(PasskeyTrial(depth, key, context, question))
     return out
@@ -117,27 +106,41 @@ def first_number(answer: str) -> str | None:
     return m.group(0) if m else None
 
 
+@dataclass
+class Answer:
+    """What a cache answered to one prompt: the decoded `text`, and when the answer starts `held` (slots per KV head
+    of layer 0), `bytes` (every tensor the cache holds, `memory_stats`) and `fp16_bytes` (its fp16 equivalent);
+    `answer_bytes` / `answer_fp16_bytes`: the same once the answer is decoded (a cache that compresses a forward's
+    tokens at its next update holds them uncompressed until then)."""
+
+    text: str
+    held: int
+    bytes: int
+    fp16_bytes: int
+    answer_bytes: int = 0
+    answer_fp16_bytes: int = 0
 
 
-
-def _held(cache) -> tuple[int, int]:
-    """(slots per KV head held by layer 0, bytes every tensor of the cache holds, `memory_stats`)."""
+def _held(cache) -> tuple[int, int, int]:
+    """(slots per KV head held by layer 0, bytes every tensor of the cache holds, their fp16 equivalent)."""
     from hf_kvcache.caches.base import memory_stats
 
     held = cache.tokens_held(0) if hasattr(cache, "tokens_held") else cache.get_seq_length()
-    return int(held), int(memory_stats(cache)["bytes"])
+    stats = memory_stats(cache)
+    return int(held), int(stats["bytes"]), int(stats["fp16_bytes"])
 
 
 def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_tokens: int):
     """(cache, tokens to keep per KV head after the prefill) for the question-aware mode: an `h2o` spec is built with
     `budget=1.0` (nothing evicted while context + question are prefilled) and, for snapkv without a `window`, the
     window set to the question's tokens; the tokens to keep are the spec's context budget (a ratio of
-    `context_tokens`, or an int) + `question_tokens`. A `dynamic` spec: (DynamicCache, None)."""
-    if spec.name == "dynamic":
+    `context_tokens`, or an int) + `question_tokens`. A cache without a budget (`dynamic`, the quantizing caches):
+    (the cache of the spec, None) -- it only sees the question in the same prefill as the context."""
+    if spec.name == "dynamic" or (spec.name != "h2o" and not takes_budget(spec, model)):
         return spec.build(model), None
     if spec.name != "h2o":
         raise ValueError(
-            f"the question-aware passkey mode drives the eviction of an h2o cache (H2OCache.evict_to); got cache "
+            f"the question-aware mode drives the eviction of an h2o cache (H2OCache.evict_to); got the evicting cache "
             f"{spec.name!r}: use mode='agnostic' for it, or an h2o spec such as 'h2o:{{\"budget\":0.2}}'"
         )
     from hf_kvcache.caches.h2o import H2OOptions
@@ -153,48 +156,49 @@ def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_t
 
 
 @torch.inference_mode()
-def run_trial(
-    model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int = 8, chunk: int = 0,
-    mode: str = "agnostic",
-) -> dict:
-    """One trial: `{"depth", "key", "answer", "correct", "held", "bytes"}` (see the module docstring for `mode`)."""
+def answer(
+    model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int], new_tokens: int = 8,
+    chunk: int = 0, mode: str = "agnostic",
+) -> Answer:
+    """Greedy answer of the model with the cache of `spec` to `context_ids + question_ids` (see the module docstring
+    for `mode`; `chunk`: tokens per prefill forward, 0 = one forward), at most `new_tokens` tokens."""
     from hf_kvcache.registry import attached
 
     check_mode(mode)
     if mode == "question":
-        return _run_question_aware(model, tokenizer, spec, trial, new_tokens, chunk)
+        return _answer_question_aware(model, tokenizer, spec, context_ids, question_ids, new_tokens, chunk)
     cache = spec.build(model)
     dev = model.device
-    context = torch.tensor([trial.context_ids], device=dev)
+    context = torch.tensor([context_ids], device=dev)
     step = chunk if chunk and chunk > 0 else context.shape[1]
-    full = torch.tensor([trial.context_ids + trial.question_ids], device=dev)
+    full = torch.tensor([context_ids + question_ids], device=dev)
     with attached(model, cache):  # the attention the cache needs, for the context as for the generate after it
         for s in range(0, context.shape[1], step):
-            model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True)
-        held, nbytes = _held(cache)  # after the context: the question has not been seen
+            model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        held = _held(cache)  # after the context: the question has not been seen
         out = model.generate(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
-    answer = tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True)
-    return {"depth": trial.depth, "key": trial.key, "answer": answer, "correct": first_number(answer) == trial.key,
-            "held": held, "bytes": nbytes}
+    return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held, *_held(cache)[1:])
 
 
-def _run_question_aware(model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int, chunk: int) -> dict:
+def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],
+                           new_tokens: int, chunk: int) -> Answer:
     from hf_kvcache.registry import attached
 
-    n, q = len(trial.context_ids), len(trial.question_ids)
+    n, q = len(context_ids), len(question_ids)
     cache, keep = question_aware_cache(model, spec, n, q)
-    full = torch.tensor([trial.context_ids + trial.question_ids], device=model.device)
+    full = torch.tensor([context_ids + question_ids], device=model.device)
     step = chunk if chunk and chunk > 0 else full.shape[1]
     tokens: list[int] = []
     with attached(model, cache):
         for s in range(0, full.shape[1], step):
-            logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True).logits
+            logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True,
+                           logits_to_keep=1).logits
         if keep is not None:
             cache.evict_to(keep, protect_last=q)  # the question has been seen: down to the budget, question kept
-        held, nbytes = _held(cache)
+        held = _held(cache)
         nxt = int(logits[0, -1].argmax())
         for _ in range(new_tokens):
             tokens.append(nxt)
@@ -203,9 +207,17 @@ def _run_question_aware(model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, 
             logits = model(input_ids=torch.tensor([[nxt]], device=full.device), past_key_values=cache,
                            use_cache=True).logits
             nxt = int(logits[0, -1].argmax())
-    answer = tokenizer.decode(tokens, skip_special_tokens=True)
-    return {"depth": trial.depth, "key": trial.key, "answer": answer, "correct": first_number(answer) == trial.key,
-            "held": held, "bytes": nbytes}
+    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:])
+
+
+def run_trial(
+    model, tokenizer, spec: CacheSpec, trial: PasskeyTrial, new_tokens: int = 8, chunk: int = 0,
+    mode: str = "agnostic",
+) -> dict:
+    """One trial: `{"depth", "key", "answer", "correct", "held", "bytes"}` (see the module docstring for `mode`)."""
+    a = answer(model, tokenizer, spec, trial.context_ids, trial.question_ids, new_tokens, chunk, mode)
+    return {"depth": trial.depth, "key": trial.key, "answer": a.text, "correct": first_number(a.text) == trial.key,
+            "held": a.held, "bytes": a.bytes}
 
 
 def run_passkey(

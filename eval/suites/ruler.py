@@ -1,0 +1,233 @@
+"""`--suite ruler`: RULER-style long-context tasks (`hf_kvcache.eval.ruler_tasks`) over every cache, scored against
+the full cache on the same samples.
+
+    hf-kvcache compare --suite ruler --model qwen2.5-coder-0.5b --tokens 4096 8192 --task-samples 8 \\
+        --caches dynamic int8 int4 tiered kivi h2o --budgets 0.5 0.25 --mode agnostic --json rows.json
+
+Each sample is a prompt of exactly `--tokens` model tokens (haystack of `--text`, Moby Dick by default; qa_speaker's
+excerpts from Shakespeare), answered greedily by the model with each cache, in `--mode`:
+* "agnostic": the context goes through the cache first (one forward, or `--chunk`-token forwards), so it is
+  compressed before the question is seen; then the question and the answer (`passkey.answer`).
+* "question": context + question prefilled together; quantizing caches then decode over what they stored, an h2o
+  cache is evicted to its budget of the context + the question first (`passkey.question_aware_cache`).
+The full cache (`dynamic`) always runs, first, as the baseline. A sample's score is the fraction of its expected
+strings found in the answer (`ruler_tasks.score`). The loop runs sample by sample (every task's sample 0, then 1, ...)
+and every cache on each, so a run cut off at any point leaves paired results.
+
+Rows: with `--json`, one row per (sample, cache) is written as soon as it is measured (`score`, `answer`,
+`expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `seconds`); `--resume` keeps those already in the file and runs
+the others. The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
+cache, task) and per "average" over the tasks: `accuracy` (mean score), `samples`, `delta_pts` (points vs the full
+cache on the same samples) with `low_pts` / `high_pts` (its 95 % paired bootstrap interval, `paired.paired_difference`;
+the average's resamples within each task), `ratio` (the full cache's fp16 bytes / this cache's bytes when the answer
+starts), `held` and `results` (the sample rows). `summary_rows` turns sample rows (a cut-off file) into these rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections import defaultdict
+
+from ..assets import load_model, load_plays, load_text
+from ..bench import CacheSpec, parse_specs
+from ..paired import paired_difference
+from ..rows import Row, make_row
+from ..ruler_tasks import TASKS, RulerSample, TaskGenerator, score
+from . import SuiteOptions, check_mode
+from .passkey import answer, with_budgets
+
+BASELINE = "dynamic"
+DEFAULT_TOKENS = 4096
+DEFAULT_SAMPLES = 8  # per task and length
+DEFAULT_CACHES = ["dynamic", "int8", "int4", "tiered", "kivi", "h2o"]
+DEFAULT_BUDGETS = [0.5, 0.25]
+AVERAGE = "average"
+SAMPLE_KEYS = ("model", "tokens", "mode", "task", "sample", "cache", "seed")  # what makes a sample row unique
+
+
+def ruler_specs(opts: SuiteOptions, model) -> list[CacheSpec]:
+    """The caches of a run: `--caches` (default `DEFAULT_CACHES`), each budget-taking one at each of `--budgets`
+    (default `DEFAULT_BUDGETS` with the default caches), the full cache first."""
+    specs = parse_specs(opts.caches or DEFAULT_CACHES)
+    budgets = opts.budgets or (DEFAULT_BUDGETS if opts.caches is None else None)
+    if budgets:
+        specs = with_budgets(specs, budgets, model)
+    rest = [s for s in specs if s.label != BASELINE]
+    if any(s.name == BASELINE for s in rest):
+        raise ValueError(f"label the full cache {BASELINE!r}: it is the baseline every cache is compared with")
+    for spec in rest:  # a cache that cannot be built for this model fails here, before the first sample
+        spec.build(model)
+    return [CacheSpec(BASELINE, {}, BASELINE), *rest]
+
+
+def run_sample(model, tokenizer, spec: CacheSpec, sample: RulerSample, mode: str, chunk: int) -> dict:
+    """The answer of one cache to one sample, scored: the measured part of a sample row."""
+    t0 = time.perf_counter()
+    a = answer(model, tokenizer, spec, sample.context_ids, sample.question_ids, sample.new_tokens, chunk, mode)
+    return {"score": score(sample.expected, a.text), "answer": a.text, "expected": sample.expected,
+            "depths": [round(d, 4) for d in sample.depths], "held": a.held, "bytes": a.bytes,
+            "fp16_bytes": a.fp16_bytes, "answer_bytes": a.answer_bytes, "answer_fp16_bytes": a.answer_fp16_bytes,
+            "seconds": time.perf_counter() - t0}
+
+
+def sample_rows_of(rows: list[Row]) -> list[Row]:
+    """The sample rows in rows written by this suite: sample rows as they are, summary rows by their `results`."""
+    out = []
+    for r in rows:
+        if r.get("suite") != "ruler":
+            continue
+        out += r["results"] if "results" in r else [r] if "sample" in r else []
+    return out
+
+
+class SampleLog:
+    """The sample rows of a run, rewritten to `path` (atomically) after every one; `resume` starts from those the
+    file holds."""
+
+    def __init__(self, path: str | None, resume: bool) -> None:
+        self.path, self.rows = path, []
+        if resume:
+            if not path or not os.path.exists(path):
+                raise ValueError("--resume continues the sample rows of an earlier --json file: give that file")
+            with open(path) as f:
+                self.rows = sample_rows_of(json.load(f))
+        self.done = {tuple(r.get(k) for k in SAMPLE_KEYS) for r in self.rows}
+
+    def has(self, **key) -> bool:
+        return tuple(key.get(k) for k in SAMPLE_KEYS) in self.done
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        self.done.add(tuple(row.get(k) for k in SAMPLE_KEYS))
+        if self.path:
+            tmp = f"{self.path}.tmp"
+            with open(tmp, "w") as f:
+                json.dump(self.rows, f, indent=1)
+            os.replace(tmp, self.path)
+
+
+def run(opts: SuiteOptions) -> list[Row]:
+    """`--suite ruler`: see the module docstring."""
+    check_mode(opts.mode)
+    tasks = list(opts.tasks or TASKS)
+    unknown = sorted(set(tasks) - set(TASKS))
+    if unknown:
+        raise ValueError(f"unknown task(s) {unknown}; --tasks takes some of: {' '.join(TASKS)}")
+    count = opts.task_samples or DEFAULT_SAMPLES
+    lengths = list(opts.tokens or [DEFAULT_TOKENS])
+    log = SampleLog(opts.json, opts.resume)
+    model, tokenizer = load_model(opts.model)
+    specs = ruler_specs(opts, model)
+    gen = TaskGenerator(tokenizer, load_text(opts.text), load_plays() if "qa_speaker" in tasks else None)
+    prompts = {(n, t): gen.samples(t, n, count, opts.seed) for n in lengths for t in tasks}  # bad lengths fail here
+    for n in lengths:
+        for i in range(count):
+            for task in tasks:
+                sample = prompts[n, task][i]
+                for spec in specs:
+                    key = dict(model=opts.model, tokens=n, mode=opts.mode, task=task, sample=i, cache=spec.label,
+                               seed=opts.seed)
+                    if log.has(**key):
+                        continue
+                    result = run_sample(model, tokenizer, spec, sample, opts.mode, opts.chunk or 0)
+                    log.add(make_row("ruler", spec.label, opts.model, n, mode=opts.mode, task=task, sample=i,
+                                     seed=opts.seed, **result))
+                    if opts.progress:
+                        print(f"  .. {n} {task} #{i} {spec.label}: score {result['score']:.2f} "
+                              f"({result['seconds']:.1f} s) {result['answer'][:60]!r}", flush=True)
+    wanted = {(opts.model, n, opts.mode) for n in lengths}
+    return summary_rows([r for r in log.rows if (r["model"], r["tokens"], r["mode"]) in wanted])
+
+
+def summary_rows(rows: list[Row]) -> list[Row]:
+    """One row per (model, tokens, mode, cache, task) and per task average, from sample rows (see the module
+    docstring); a cache is compared with the full cache on the samples both have."""
+    samples = sample_rows_of(rows)
+    runs: dict[tuple, list[Row]] = defaultdict(list)
+    for r in samples:
+        runs[r["model"], r["tokens"], r["mode"], r.get("seed")].append(r)
+    out = []
+    for (model, tokens, mode, _), group in runs.items():
+        by_cache: dict[str, dict[tuple[str, int], Row]] = defaultdict(dict)
+        for r in group:
+            by_cache[r["cache"]][r["task"], r["sample"]] = r
+        base = by_cache.get(BASELINE, {})
+        for cache, results in by_cache.items():
+            tasks = list(dict.fromkeys(t for t, _ in results))
+            for task in [*tasks, AVERAGE]:
+                keys = [k for k in results if task in (k[0], AVERAGE)]
+                out.append(_summary(model, tokens, mode, cache, task, [results[k] for k in keys],
+                                    [base.get(k) for k in keys], cache == BASELINE))
+    return out
+
+
+def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: list[Row], base: list[Row | None],
+             is_base: bool) -> Row:
+    tasks = list(dict.fromkeys(r["task"] for r in mine))
+    by_task = [[r["score"] for r in mine if r["task"] == t] for t in tasks]
+    accuracy = sum(sum(s) / len(s) for s in by_task) / len(by_task)  # every task weighs the same
+    row = make_row("ruler", cache, model, tokens, section=f"mode={mode}", mode=mode, task=task, accuracy=accuracy,
+                   samples=len(mine))
+    paired = [(m, b) for m, b in zip(mine, base) if b is not None]
+    if paired and not is_base:
+        diff = paired_difference([m["score"] for m, _ in paired], [b["score"] for _, b in paired],
+                                 [m["task"] for m, _ in paired])
+        row.update(delta_pts=100 * diff.difference)
+        if not math.isnan(diff.low):  # one sample: no interval
+            row.update(low_pts=100 * diff.low, high_pts=100 * diff.high)
+    row["ratio"] = _ratio(mine, [b for _, b in paired], "")
+    if all(m.get("answer_bytes") for m in mine):  # rows written before these were measured lack them
+        row["answer_ratio"] = _ratio(mine, [b for _, b in paired if b.get("answer_bytes")], "answer_")
+    row.update(held=sum(m["held"] for m in mine) / len(mine), seconds=sum(m["seconds"] for m in mine) / len(mine),
+               results=mine)
+    return row
+
+
+def _ratio(mine: list[Row], base: list[Row], prefix: str) -> float:
+    """The full cache's mean fp16-equivalent bytes (this cache's own without full-cache rows) over this cache's mean
+    bytes, `prefix` "" when the answer starts, "answer_" once it is decoded."""
+    fp16 = [b[f"{prefix}fp16_bytes"] for b in base] or [m[f"{prefix}fp16_bytes"] for m in mine]
+    return (sum(fp16) / len(fp16)) / (sum(m[f"{prefix}bytes"] for m in mine) / len(mine))
+
+
+def table_rows(rows: list[Row]) -> list[Row]:
+    """What `compare --from-json` prints for a file of this suite: the summary rows (cut-off files hold sample
+    rows)."""
+    return summary_rows(rows)
+
+
+def markdown_tables(rows: list[Row]) -> str:
+    """The summary as markdown, one table per (model, tokens, mode): a line per cache with its ratio, the accuracy of
+    each task (points vs the full cache in brackets), the average with its paired 95 % interval, and the samples."""
+    summary = summary_rows(rows)
+    runs: dict[tuple, list[Row]] = defaultdict(list)
+    for r in summary:
+        runs[r["model"], r["tokens"], r["mode"]].append(r)
+    parts = []
+    for (model, tokens, mode), group in runs.items():
+        tasks = list(dict.fromkeys(r["task"] for r in group if r["task"] != AVERAGE))
+        lines = [f"**{model}, {tokens} tokens, mode {mode}**", "",
+                 "| cache | vs fp16 (question / answered) | " + " | ".join(tasks)
+                 + " | average | vs full, 95 % interval | samples |",
+                 "|---" * (len(tasks) + 5) + "|"]
+        cell = {(r["cache"], r["task"]): r for r in group}
+        for cache in dict.fromkeys(r["cache"] for r in group):
+            avg = cell[cache, AVERAGE]
+            tasks_cells = [_task_cell(cell.get((cache, t))) for t in tasks]
+            interval = "baseline" if "delta_pts" not in avg else f"{avg['delta_pts']:+.1f}" + (
+                f" [{avg['low_pts']:+.1f}, {avg['high_pts']:+.1f}]" if "low_pts" in avg else "")
+            ratio = f"{avg['ratio']:.2f}x" + (f" / {avg['answer_ratio']:.2f}x" if "answer_ratio" in avg else "")
+            lines.append(f"| {cache} | {ratio} | " + " | ".join(tasks_cells)
+                         + f" | {100 * avg['accuracy']:.1f} | {interval} | {avg['samples']} |")
+        parts.append("\n".join(lines))
+    return "\n\n".join(parts)
+
+
+def _task_cell(row: Row | None) -> str:
+    if row is None:
+        return "-"
+    text = f"{100 * row['accuracy']:.0f}"
+    return text + (f" ({row['delta_pts']:+.0f})" if "delta_pts" in row else "")

@@ -1,0 +1,249 @@
+"""The RULER-style suite: the task generator (seeded, sized in tokens, answers derivable from the context), its paired
+scoring, and one run of `compare --suite ruler` on a tiny random model."""
+
+import json
+import math
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from hf_kvcache.cli import main
+from hf_kvcache.eval.paired import paired_difference
+from hf_kvcache.eval.ruler_tasks import (HAYSTACK_TASKS, NEEDLE, TASKS, TaskGenerator, TaskOptions, parse_speeches,
+                                         score, spread_depth)
+
+TOKENS = 1024
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from hf_kvcache.eval.assets import model_dir
+
+    return AutoTokenizer.from_pretrained(model_dir("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def gen(tokenizer, moby_text):
+    from hf_kvcache.eval.assets import load_plays
+
+    return TaskGenerator(tokenizer, moby_text, load_plays())
+
+
+@pytest.fixture(scope="module")
+def samples(gen):
+    return {task: gen.samples(task, TOKENS, 3, seed=5) for task in TASKS}
+
+
+# ---- the generator ---------------------------------------------------------------------------------------------------
+def test_samples_come_from_the_seed_and_more_samples_keep_the_first_ones(gen, samples):
+    for task in ("niah_multikey", "vt", "fwe", "qa_speaker"):
+        again = gen.samples(task, TOKENS, 2, seed=5)
+        assert [s.context_ids for s in again] == [s.context_ids for s in samples[task][:2]]
+        assert [s.expected for s in again] == [s.expected for s in samples[task][:2]]
+        assert gen.samples(task, TOKENS, 1, seed=6)[0].context_ids != again[0].context_ids
+        assert samples[task][0].context_ids != samples[task][1].context_ids
+
+
+def test_prompts_are_sized_in_model_tokens(gen, samples):
+    for task, group in samples.items():
+        for s in group:
+            if task in HAYSTACK_TASKS:
+                assert s.tokens == TOKENS, task
+            else:  # a list fills the prompt to within one more word (cwe: rare_count copies of it)
+                assert TOKENS - 12 <= s.tokens <= TOKENS, task
+            assert s.new_tokens >= len(gen.ids(" " + ", ".join(s.expected)))
+
+
+def test_the_single_needle_is_in_the_context_at_its_stated_depth(gen, samples, tokenizer):
+    for s in samples["niah_single"]:
+        (depth,) = s.depths
+        start = round(depth * len(s.context_ids))
+        key = re.search(r"word '(\w+)'", tokenizer.decode(s.question_ids)).group(1)
+        needle = gen.ids(NEEDLE.format(key=key, value=s.expected[0]))
+        assert s.context_ids[start : start + len(needle)] == needle
+        # at a sentence end near the depth the sample asked for (van der Corput: 0.5, 0.25, 0.75)
+        assert abs(depth - spread_depth(s.index)) < 0.06
+    assert [round(spread_depth(i), 3) for i in range(4)] == [0.5, 0.25, 0.75, 0.125]
+
+
+def test_depths_of_several_needles_spread_and_ascend(samples):
+    for task in ("niah_multikey", "niah_multivalue", "niah_multiquery", "vt"):
+        for s in samples[task]:
+            assert s.depths == sorted(s.depths) and 0 < s.depths[0] and s.depths[-1] < 1
+            assert len(s.depths) == (4 if task.startswith("niah") else 10)
+
+
+def _needles(text: str) -> list[tuple[str, str]]:
+    return re.findall(r"The secret number for the word '(\w+)' is (\d{7})\.", text)
+
+
+def test_needle_answers_are_derivable_from_the_context(samples, tokenizer):
+    for task in ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery"):
+        for s in samples[task]:
+            found = _needles(tokenizer.decode(s.context_ids))
+            asked = re.findall(r"'(\w+)'", tokenizer.decode(s.question_ids).split("Answer:")[0])
+            assert sorted(v for k in asked for key, v in found if key == k) == sorted(s.expected), task
+            assert len(found) == (1 if task == "niah_single" else 4)
+            if task == "niah_multikey":  # three distractors with other keys
+                assert len({k for k, _ in found}) == 4 and len(asked) == 1
+
+
+def test_variable_tracking_answer_is_the_chain_of_the_asked_value(samples, tokenizer):
+    for s in samples["vt"]:
+        text = tokenizer.decode(s.context_ids)
+        value = re.search(r"the value (\d+)", tokenizer.decode(s.question_ids)).group(1)
+        holds = {a for a, v in re.findall(r"VAR ([A-Z]{5}) = (\d+)\.", text) if v == value}
+        links = re.findall(r"VAR ([A-Z]{5}) = VAR ([A-Z]{5})\.", text)
+        while True:  # follow the assignments in order of appearance until nothing new holds the value
+            more = {b for b, a in links if a in holds} - holds
+            if not more:
+                break
+            holds |= more
+        assert holds == set(s.expected) and len(holds) == 5
+
+
+def test_word_tasks_ask_for_the_words_the_context_repeats_most(samples, tokenizer):
+    o = TaskOptions()
+    for s in samples["cwe"]:
+        counts = Counter(tokenizer.decode(s.context_ids).split("\n\n", 1)[1].split())
+        top = counts.most_common(o.common_words + 1)
+        assert {w for w, _ in top[:-1]} == set(s.expected)
+        assert all(c == o.common_count for _, c in top[:-1]) and top[-1][1] == o.rare_count
+    for s in samples["fwe"]:
+        counts = Counter(tokenizer.decode(s.context_ids).split("\n\n", 1)[1].split()).most_common()
+        assert [w for w, _ in counts[:3]] == s.expected and counts[2][1] > counts[3][1]
+
+
+def test_the_play_question_quotes_a_line_of_the_hidden_excerpt(samples, tokenizer):
+    for s in samples["qa_speaker"]:
+        text = tokenizer.decode(s.context_ids)
+        line = re.search(r'says "(.+)"\?', tokenizer.decode(s.question_ids)).group(1)
+        assert f"{s.expected[0].upper()}. {line}" in text
+        assert text.count(line) == 1
+
+
+def test_parse_speeches_splits_scenes_and_drops_stage_directions():
+    play = ("# A Play\n\n## ACT I\n\n### SCENE I. A room.\n\n_Enter A and B_\n\n**ALPHA**  \nFirst line,  \nsecond line."
+            "\n\n**BETA**  \nReply.\n\n### SCENE II. Elsewhere.\n\n**ALPHA**  \nAgain.\n")
+    assert parse_speeches(play) == [[("ALPHA", "First line,\nsecond line."), ("BETA", "Reply.")], [("ALPHA", "Again.")]]
+
+
+def test_score_is_the_fraction_of_expected_strings_found():
+    assert score(["1234567"], " 1234567.") == 1.0
+    assert score(["ABCDE", "FGHIJ", "KLMNO", "PQRST"], "abcde, fghij and more") == 0.5
+    assert score(["Orlando"], " the old man") == 0.0
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda g: g.samples("niah", 1024, 1), "unknown task 'niah'"),
+    (lambda g: g.samples("vt", 1024, 0), "samples per task must be >= 1"),
+    (lambda g: g.samples("niah_multikey", 100, 1), "ask for more tokens"),
+    (lambda g: g.samples("cwe", 300, 1), "cannot hold cwe's 10 x 30 common words"),
+    (lambda g: TaskGenerator(g.tokenizer, "word " * 5000).samples("qa_speaker", 512, 1), "needs the plays"),
+])
+def test_bad_generator_input_names_the_fix(gen, call, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        call(gen)
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(needles=1), "needles and .speeches must be >= 2"),
+    (dict(hops=0), "hops must be >= 1"),
+    (dict(common_count=4, rare_count=3), "common_count > rare_count + 1"),
+    (dict(zipf=0.0), "zipf must be > 0"),
+])
+def test_bad_task_options(options, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        TaskOptions(**options)
+
+
+# ---- paired scoring --------------------------------------------------------------------------------------------------
+def test_paired_difference_weighs_each_group_the_same():
+    same = paired_difference([1.0, 0.0, 1.0], [1.0, 0.0, 1.0])
+    assert (same.difference, same.low, same.high, same.n) == (0.0, 0.0, 0.0, 3)
+    # group x: -1 on one of two items (-0.5); group y: +0 on four items; the mean over groups is -0.25
+    d = paired_difference([0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1], ["x", "x", "y", "y", "y", "y"], samples=4000)
+    assert d.difference == -0.25 and -0.5 <= d.low < d.high <= 0.0
+    # a group of one item cannot be resampled: the items are then one group, each weighing the same
+    one = paired_difference([0, 1, 1], [1, 1, 1], ["x", "y", "y"], samples=4000)
+    assert one.difference == pytest.approx(-1 / 3) and -1.0 <= one.low < one.high == 0.0
+    assert math.isnan(paired_difference([1.0], [0.0]).low)  # one item: no interval
+    with pytest.raises(ValueError, match="same items"):
+        paired_difference([1.0], [1.0, 0.0])
+
+
+# ---- the suite, end to end on a tiny random model ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_model_dir(tokenizer, tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=2048,
+                      bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    folder = tmp_path_factory.mktemp("tiny-llama")
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "ruler.json"
+    tasks = ["niah_single", "fwe", "qa_speaker"]
+    argv = ["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", "--task-samples", "1",
+            "--tasks", *tasks, "--caches", "dynamic", "int4", "h2o", "--budgets", "0.5", "--json", str(path)]
+    assert main(argv) == 0
+    rows = json.loads(path.read_text())
+    caches = ["dynamic", "int4", "h2o budget=0.5"]
+    assert [(r["cache"], r["task"]) for r in rows] == [(c, t) for c in caches for t in [*tasks, "average"]]
+    for r in rows:
+        assert list(r)[:4] == ["suite", "cache", "model", "tokens"] and r["suite"] == "ruler" and r["tokens"] == 512
+        assert r["mode"] == "agnostic" and r["samples"] == (3 if r["task"] == "average" else 1)
+        assert 0.0 <= r["accuracy"] <= 1.0 and "hf-kvcache compare --suite ruler" in r["command"]
+        assert ("delta_pts" in r) == (r["cache"] != "dynamic")
+        # one sample per task: no interval for a task, one over the three samples for the average
+        assert ("low_pts" in r) == (r["cache"] != "dynamic" and r["task"] == "average")
+        if "low_pts" in r:
+            assert r["low_pts"] <= r["delta_pts"] <= r["high_pts"]
+        for s in r["results"]:
+            assert s["cache"] == r["cache"] and 0.0 <= s["score"] <= 1.0 and s["bytes"] > 0
+            assert s["score"] == score(s["expected"], s["answer"])
+    by = {(r["cache"], r["task"]): r for r in rows}
+    assert by["int4", "average"]["ratio"] > 3 * by["dynamic", "average"]["ratio"]  # 4-bit vs the fp32 full cache
+    assert by["h2o budget=0.5", "average"]["held"] < 0.55 * by["dynamic", "average"]["held"]
+    assert "vs full (pts)" in capsys.readouterr().out
+
+    # a cut-off run leaves sample rows: resume runs only the missing samples, --from-json summarizes either file
+    done = {("dynamic", "niah_single"), ("int4", "niah_single"), ("dynamic", "fwe")}
+    kept = [s for r in rows if (r["cache"], r["task"]) in done for s in r["results"]]
+    path.write_text(json.dumps(kept))
+    argv[argv.index("qa_speaker")] = "--resume"
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert out.count(" .. 512 ") == 3  # h2o on niah_single, int4 and h2o on fwe
+    rows = json.loads(path.read_text())
+    assert {(r["cache"], r["task"]) for r in rows} == {(c, t) for c in caches for t in ("niah_single", "fwe", "average")}
+    assert main(["compare", "--from-json", str(path)]) == 0
+    assert "vs full (pts)" in capsys.readouterr().out
+
+
+def test_question_mode_runs_quantizing_caches_and_bad_suite_input(tiny_model_dir, tmp_path, capsys):
+    path = tmp_path / "q.json"
+    assert main(["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", "--task-samples", "2",
+                 "--tasks", "niah_single", "--caches", "dynamic", "kivi", "--mode", "question", "--json",
+                 str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["cache"], r["samples"]) for r in rows] == [("dynamic", 2), ("dynamic", 2), ("kivi", 2), ("kivi", 2)]
+    assert all(s["held"] == 512 for r in rows for s in r["results"])  # context + question held when answering
+    for argv, message in [
+        (["--tasks", "niah"], "unknown task(s) ['niah']"),
+        (["--resume"], "--resume continues the sample rows"),
+        (["--caches", "int4", "--budgets", "0.5"], "none of --caches takes one"),
+    ]:
+        assert main(["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", *argv]) == 2
+        assert message in capsys.readouterr().err
+    assert math.isclose(spread_depth(0), 0.5)
