@@ -16,7 +16,7 @@ from .caches import (
 from .paged import PagedCache
 from .registry import attached, build_cache, cache_names, fixed, install, register_cache
 from .attention import register as _register_attention
-from .fused import register as _register_fused_kernel
+from .attention import register_fused_kernel as _register_fused_kernel
 
 __version__ = "0.1.0"
 

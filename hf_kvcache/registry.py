@@ -19,6 +19,8 @@ from transformers import GenerationMixin, PreTrainedConfig
 from transformers.cache_utils import Cache
 from transformers.generation import configuration_utils as gen_config
 
+from .caches.base import CompressedCache
+
 CacheFactory = Callable[..., Cache]
 _FACTORIES: dict[str, CacheFactory] = {}
 _installed = False
@@ -81,8 +83,8 @@ def _attention_for(model, cache) -> None:
     (`needs_attention_mass`) and caches the fused attention reads in place (`reads_fused`) switch the model to the
     "hf_kvcache" attention; the latter are also bound to the model (`CompressedCache.bind`). Both are undone when
     generate returns (`_release`), so the model is handed back as it was."""
-    needs_mass = getattr(cache, "needs_attention_mass", False)
-    reads_fused = getattr(cache, "reads_fused", False)
+    ours = isinstance(cache, CompressedCache)  # a transformers cache keeps the model's attention
+    needs_mass, reads_fused = ours and cache.needs_attention_mass, ours and cache.reads_fused
     leases = model.__dict__.setdefault("_hf_kvcache_leases", [])
     if not (needs_mass or reads_fused) or any(lease.cache is cache for lease in leases):
         return  # nothing to change, or an outer `attached` / generate already holds this cache
@@ -125,7 +127,7 @@ def _release(model, depth: int) -> None:
     leases = model.__dict__.get("_hf_kvcache_leases", [])
     while len(leases) > depth:
         lease = leases.pop()
-        if getattr(lease.cache, "reads_fused", False):
+        if lease.cache.reads_fused:
             lease.cache.unbind()
         if lease.attn_implementation is not None and model.config._attn_implementation != lease.attn_implementation:
             model.set_attn_implementation(lease.attn_implementation)
@@ -135,14 +137,14 @@ def _chunk_prefill(cache, generation_config) -> None:
     """Prefill long prompts in chunks (transformers' `prefill_chunk_size`) for caches of ours that ask for it
     (`prefill_chunk_size`), so the full-precision keys/values of a whole long prompt never exist at once; a value in
     the generation config wins (generate works on its own copy of that config)."""
-    chunk = getattr(cache, "prefill_chunk_size", None)
+    chunk = cache.prefill_chunk_size if isinstance(cache, CompressedCache) else None
     if chunk and getattr(generation_config, "prefill_chunk_size", None) is None:
         generation_config.prefill_chunk_size = chunk
 
 
 def _record_padding(cache, model_kwargs: dict) -> None:
     """Tell an empty cache of ours which positions of the prompt are left padding (`CompressedCache.set_padding`)."""
-    if hasattr(cache, "set_padding") and cache.get_seq_length() == 0:
+    if isinstance(cache, CompressedCache) and cache.get_seq_length() == 0:
         cache.set_padding(model_kwargs.get("attention_mask"))
 
 

@@ -7,7 +7,8 @@ from transformers.masking_utils import sdpa_mask
 
 import hf_kvcache  # noqa: F401  (registers the attention)
 from hf_kvcache import attention as attn
-from hf_kvcache.caches.base import LAYER_ATTR, CompressedLayer
+from hf_kvcache.attention import AttentionRequest, hand_over
+from hf_kvcache.caches.base import CompressedLayer
 
 
 class Module(torch.nn.Module):
@@ -60,7 +61,7 @@ def inputs(groups, q_len, past, batch=3, kv_heads=2, d=16, seed=0):
 @pytest.mark.parametrize("groups", [1, 3, 7])
 @pytest.mark.parametrize("q_len", [1, 9, 300])
 def test_output_equals_sdpa_and_mass_equals_eager(groups, q_len, monkeypatch):
-    monkeypatch.setattr(attn, "QUERY_BLOCK", 64)  # several query blocks for the long prompt
+    monkeypatch.setattr(attn.kernels, "QUERY_BLOCK", 64)  # several query blocks for the long prompt
     past, pad = 20, [0, 4, 11]
     q, k, v = inputs(groups, q_len, past)
     mask = padded_causal_mask(3, q_len, past, pad)
@@ -70,7 +71,7 @@ def test_output_equals_sdpa_and_mass_equals_eager(groups, q_len, monkeypatch):
     torch.testing.assert_close(fast, ref, atol=1e-5, rtol=0)
 
     layer = Recorder()
-    setattr(k, LAYER_ATTR, layer)
+    hand_over(k, AttentionRequest(layer))
     out, weights = attn.hf_kvcache_attention(module, q, k, v, mask, scaling=0.25)
     assert weights is None and out.shape == (3, q_len, q.shape[1], 16)
     valid_rows = mask.any(-1)[:, 0]  # [b, q]: padding query rows see nothing; compare the rest
@@ -91,7 +92,7 @@ def test_causal_without_mask(groups):
         q, k, v = inputs(groups, q_len, past)
         ref, _ = sdpa_attention_forward(module, q, k, v, None)
         layer = Recorder()
-        setattr(k, LAYER_ATTR, layer)
+        hand_over(k, AttentionRequest(layer))
         out, _ = attn.hf_kvcache_attention(module, q, k, v, None)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
         causal = torch.ones(q_len, past + q_len, dtype=torch.bool).tril(past)[None, None]
@@ -109,7 +110,7 @@ def test_float_mask_and_per_head_mask():
     for mask in (bool_mask, float_mask):
         ref, _ = sdpa_attention_forward(module, q, k, v, mask)
         layer = Recorder()
-        setattr(k, LAYER_ATTR, layer)
+        hand_over(k, AttentionRequest(layer))
         out, _ = attn.hf_kvcache_attention(module, q, k, v, mask)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
         torch.testing.assert_close(layer.mass, eager_mass(q, k, bool_mask, groups, 16**-0.5), atol=1e-4, rtol=1e-5)
@@ -117,7 +118,7 @@ def test_float_mask_and_per_head_mask():
 
 def test_long_prompt_never_builds_the_full_matrix(monkeypatch):
     """The mass path works on blocks of QUERY_BLOCK query positions."""
-    monkeypatch.setattr(attn, "QUERY_BLOCK", 32)
+    monkeypatch.setattr(attn.kernels, "QUERY_BLOCK", 32)
     biggest = []
     real_softmax = torch.softmax
 
@@ -125,10 +126,10 @@ def test_long_prompt_never_builds_the_full_matrix(monkeypatch):
         biggest.append(x.numel())
         return real_softmax(x, dim, *a, **kw)
 
-    monkeypatch.setattr(attn.torch, "softmax", spy)
+    monkeypatch.setattr(attn.kernels.torch, "softmax", spy)
     q, k, v = inputs(3, 200, 0, batch=1)
     layer = Recorder()
-    setattr(k, LAYER_ATTR, layer)
+    hand_over(k, AttentionRequest(layer))
     attn.hf_kvcache_attention(Module(3), q, k, v, None)
     assert max(biggest) <= 1 * 6 * 32 * 200
     torch.testing.assert_close(layer.mass.sum(), torch.tensor(6.0 * 200), rtol=1e-5, atol=0)
@@ -160,7 +161,7 @@ def test_kernel_dispatch_is_pluggable(monkeypatch):
     q, k, v = inputs(3, 4, 6)
     attn.hf_kvcache_attention(Module(3), q, k, v, None)
     assert not calls  # no mass wanted: SDPA fast path
-    setattr(k, LAYER_ATTR, Recorder())
+    hand_over(k, AttentionRequest(Recorder()))
     attn.hf_kvcache_attention(Module(3), q, k, v, padded_causal_mask(3, 4, 6, [0, 0, 0]))
     assert len(calls) == 1 and calls[0].groups == 3
 

@@ -9,7 +9,7 @@ import torch
 import hf_kvcache  # noqa: F401
 from hf_kvcache import TieredQuantCache, UniformQuantCache
 from hf_kvcache.eval import load_tokens
-from hf_kvcache.fused import FusedCompressedKernel
+from hf_kvcache.attention import FusedCompressedKernel
 
 pytestmark = pytest.mark.slow
 

@@ -15,7 +15,8 @@ from hf_kvcache.policy import (
     POLICIES, AdaKV, ExpectedAttentionPolicy, H2OPolicy, SlotView, SnapKVPolicy, TOVAPolicy,
 )
 from hf_kvcache import attention as attn
-from hf_kvcache.caches.base import LAYER_ATTR, CompressedLayer
+from hf_kvcache.attention import AttentionRequest, hand_over
+from hf_kvcache.caches.base import CompressedLayer
 from hf_kvcache.policy.attention import window_attention, window_logits
 from hf_kvcache.quant.kivi import KIVIQuantized
 from hf_kvcache.quant.token import TokenQuant
@@ -401,7 +402,7 @@ def test_layer_with_mask_from_end_reads_the_last_mask_columns():
     mask = sdpa_mask(2, 3, 9, q_offset=6, attention_mask=torch.arange(9)[None] >= torch.tensor([0, 3])[:, None], allow_is_causal_skip=False)  # built for 6 held slots; this layer holds 4
     layer = _Recorder()
     layer.mask_from_end = True
-    setattr(k, LAYER_ATTR, layer)
+    hand_over(k, AttentionRequest(layer))
     out, _ = attn.hf_kvcache_attention(_Module(), q, k, v, mask)
     ref, _ = sdpa_attention_forward(_Module(), q, k, v, mask[..., -7:], is_causal=False)
     torch.testing.assert_close(out, ref)
@@ -471,7 +472,7 @@ def test_key_mask_masks_empty_slots_per_head():
     layer = _Recorder()
     layer.key_mask = lambda: held
     layer.mask_from_end = True  # as H2O layers
-    setattr(k, LAYER_ATTR, layer)
+    hand_over(k, AttentionRequest(layer))
     mask = sdpa_mask(2, 3, 7, q_offset=4, allow_is_causal_skip=False)
     out, _ = attn.hf_kvcache_attention(_Module(), q, k, v, mask)
     ref = torch.empty_like(out)

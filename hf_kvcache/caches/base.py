@@ -1,8 +1,11 @@
 """`CompressedLayer` (one model layer's compressed storage) and `CompressedCache` (the thin container).
 
-Attention hook: `update` tags the key tensor it returns with `LAYER_ATTR` (the layer itself), so the registered
-`"hf_kvcache"` attention function can find the layer, read its compressed storage directly, and, when the layer sets
-`wants_attention_mass`, report the attention each held token received through `observe_attention`.
+Attention hand-off: `update` hands an `attention.AttentionRequest` over with the key tensor it returns
+(`attention.hand_over`), so the registered `"hf_kvcache"` attention function finds the layer, reads its compressed
+storage directly (the request's `FusedView`), and, when the layer declares `wants_attention_mass`, reports the
+attention each held token received through `observe_attention`. What a layer can ask of the attention is declared
+here with its defaults: `wants_attention_mass`, `query_window` (+ `observe_queries`), `key_mask()`, `key_bias()`,
+`mask_from_end`.
 
 A layer keeps everything it stores in `self.store`, a dict of tensors laid out `[batch, kv_heads, tokens, ...]`.
 Because every stored tensor has the batch on dim 0 and the tokens on dim 2, beam reordering, batch selection,
@@ -12,7 +15,6 @@ repetition and cropping are implemented once here. A layer whose storage is not 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,20 +24,14 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from ..options import CacheOptions
 from ..rope import KeyRotation
-from ..kernels.segments import FullSegment, dense_segments
+from ..attention.request import AttentionRequest, FusedView, hand_over
 
 FP16_BYTES = 2
 # transformers before 5.23 has no DummyLayer (and no "dummy" layer type); before 5.21 its quantized layers' base is
 # QuantizedLayer
 DummyLayer = getattr(cache_utils, "DummyLayer", None)
 BaseQuantizedLayer = getattr(cache_utils, "BaseQuantizedLayer", None) or cache_utils.QuantizedLayer
-LAYER_ATTR = "_hf_kvcache_layer"
 FUSED_ATTENTION = "hf_kvcache"  # the attention implementation that reads compressed storage directly
-
-
-def layer_of(keys: torch.Tensor) -> "CompressedLayer | None":
-    """The hf-kvcache layer that returned `keys` from `update`, if any."""
-    return getattr(keys, LAYER_ATTR, None)
 
 
 class FusedBinding:
@@ -50,32 +46,7 @@ class FusedBinding:
         return getattr(self.config, "_attn_implementation", None) == FUSED_ATTENTION
 
 
-@dataclass
-class FusedView:
-    """What a layer read by the fused attention hands over for one `update`: the segments it held before the
-    update (references to storage that is replaced, never written in place) and the new tokens
-    `[batch, kv_heads, new, head_dim]`, kept exactly as the model gave them."""
-
-    segments: list
-    new_keys: torch.Tensor
-    new_values: torch.Tensor
-
-    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of every position (held, then new) in the new tokens' dtype: the fallback for attention
-        calls the fused kernel does not serve."""
-        return dense_segments([*self.segments, FullSegment(self.new_keys, self.new_values)], self.new_keys.dtype)
-
-
-def take_fused_view(layer: Any) -> FusedView | None:
-    """The view `layer` left for this attention call, taken from it (a view is read once); None when it left none
-    (or `layer` is None)."""
-    view = getattr(layer, "fused_view", None)
-    if view is not None:
-        layer.fused_view = None
-    return view
-
-
-class _Placeholder(torch.Tensor):
+class Placeholder(torch.Tensor):
     """The key/value tensors a layer returns while the fused attention reads its `FusedView`: right shape, no data.
     Anything but a look at the shape, dtype or device raises, so no other code can attend to them by mistake."""
 
@@ -95,9 +66,9 @@ class _Placeholder(torch.Tensor):
         )
 
     @staticmethod
-    def like(x: torch.Tensor, tokens: int) -> "_Placeholder":
+    def like(x: torch.Tensor, tokens: int) -> "Placeholder":
         shape = (*x.shape[:2], tokens, x.shape[-1])
-        return x.new_zeros(()).expand(shape).as_subclass(_Placeholder)
+        return x.new_zeros(()).expand(shape).as_subclass(Placeholder)
 
 
 class CompressedLayer(DynamicLayer):
@@ -111,7 +82,10 @@ class CompressedLayer(DynamicLayer):
     is_compileable = False
     is_sliding = False
     is_croppable = True
-    wants_attention_mass = False  # set by policies (H2O, CPAC) that rank tokens by the attention they receive
+    # what the layer asks of the "hf_kvcache" attention (see the module docstring); subclasses override
+    wants_attention_mass = False  # report the attention mass (`observe_visible_keys`, `observe_attention`)
+    query_window = 0  # > 0: report the last this-many queries of each call (`observe_queries`)
+    mask_from_end = False  # the layer holds fewer slots than the mask's width: its columns are the mask's last ones
     fused_max_new = 64  # the fused attention serves forwards of at most this many new tokens (decode, small chunks)
     supports_sliding = False  # the class takes `sliding_window=` and keeps only what a sliding window can see
     sliding_window: int | None = None
@@ -122,7 +96,6 @@ class CompressedLayer(DynamicLayer):
         self.store: dict[str, torch.Tensor] = {}
         self.cumulative_length = 0
         self.fused_binding: FusedBinding | None = None
-        self.fused_view: FusedView | None = None
         # `[batch]` int64: leading padding positions of each row (`CompressedCache.set_padding`); layers that pool
         # statistics over tokens keep these positions out of them
         self.padding: torch.Tensor | None = None
@@ -154,6 +127,20 @@ class CompressedLayer(DynamicLayer):
         has no storage the fused attention can read directly."""
         return None
 
+    def key_mask(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, held + new]` bool, the keys each KV head holds (False: an empty slot), for a layer
+        whose heads hold different numbers of slots; None when every head holds every key."""
+        return None
+
+    def key_bias(self) -> torch.Tensor | None:
+        """`[batch, kv_heads, held + new]` additive bias per key (the log of the tokens a merged slot stands for);
+        None when there is none."""
+        return None
+
+    def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
+        """The last `query_window` (post-RoPE) queries of an attention call `[batch, heads, w, head_dim]` and the
+        call's scaling (only called when `query_window > 0`)."""
+
     def observe_attention(self, mass: torch.Tensor) -> None:
         """Attention mass `[batch, kv_heads, tokens]` received by the keys of the last `update` (held tokens first,
         then the new ones), summed over the query heads of each KV group and over the query positions."""
@@ -182,7 +169,7 @@ class CompressedLayer(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
         self._begin_update()
         n = key_states.shape[2]
-        view = self._fused_view(n)
+        view = self._segments_for_fused(n)
         held = self.tokens_held()
         # plain storage holds what the attention needs once the new tokens are stored: hand it over, no copy (not
         # when gradients must reach the new tokens: the stored copy is detached)
@@ -203,10 +190,9 @@ class CompressedLayer(DynamicLayer):
             keys, values = self.stored_keys_values()
         self._end_update(n)
         if view is not None:
-            self.fused_view = FusedView(view, key_states, value_states)
-            keys = _Placeholder.like(key_states, held + n)
-            values = _Placeholder.like(value_states, held + n)
-        setattr(keys, LAYER_ATTR, self)
+            keys = Placeholder.like(key_states, held + n)
+            values = Placeholder.like(value_states, held + n)
+        hand_over(keys, AttentionRequest(self, None if view is None else FusedView(view, key_states, value_states)))
         return keys, values
 
     def _begin_update(self) -> None:
@@ -215,9 +201,8 @@ class CompressedLayer(DynamicLayer):
     def _end_update(self, new_tokens: int) -> None:
         """Hook: called at every `update` after the new tokens are stored."""
 
-    def _fused_view(self, new_tokens: int) -> list | None:
+    def _segments_for_fused(self, new_tokens: int) -> list | None:
         """The segments to hand the fused attention for this update, or None to return plain tensors."""
-        self.fused_view = None
         if self.fused_binding is None or not self.fused_binding.active() or new_tokens > self.fused_max_new:
             return None
         return self.attention_segments()
@@ -243,7 +228,6 @@ class CompressedLayer(DynamicLayer):
     def reset(self) -> None:
         self.store = {}
         self.cumulative_length = 0
-        self.fused_view = None
         self.padding = None
         self.keys = self.values = None
         self.is_initialized = False
@@ -362,6 +346,10 @@ class CompressedCache(Cache):
 
     options_class: type[CacheOptions] = CacheOptions
     layer_class: type[CompressedLayer] = CompressedLayer
+    # what generate sets up for the cache (registry._attention_for): the "hf_kvcache" attention, which reports the
+    # attention mass its layers rank tokens by; and the fused attention reading the layers' segments in place
+    needs_attention_mass: bool = False
+    reads_fused: bool = False
     # generate prefills prompts longer than this in chunks of it, straight into the compressed storage (None: in one
     # forward, as transformers does by default); set it on an instance to change it for that cache
     prefill_chunk_size: int | None = 512
@@ -436,7 +424,6 @@ class CompressedCache(Cache):
         self._binding = None
         for layer in self._compressed_layers():
             layer.fused_binding = None
-            layer.fused_view = None
 
     def _compressed_layers(self) -> list[CompressedLayer]:
         return [layer for layer in self.layers if isinstance(layer, CompressedLayer)]

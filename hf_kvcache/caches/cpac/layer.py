@@ -12,7 +12,7 @@ import torch
 
 from ...policy.attention import window_attention, window_logits
 from ...rope import KeyRotation
-from ..base import CompressedLayer
+from ..base import CompressedLayer, Placeholder
 from .delta import DeltaCodec
 from .features import combine_features, importance_weight, page_features, threshold_for_pressure
 from .options import STREAMS, CPACOptions
@@ -105,7 +105,7 @@ class CPACLayer(CompressedLayer):
         which `observe_attention` splits the mass of a forward of several queries per query."""
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if self._pending and self.query_window:
-            self._forward = {"keys": keys if self.fused_view is None else None, "new_keys": key_states.detach()}
+            self._forward = {"keys": None if isinstance(keys, Placeholder) else keys, "new_keys": key_states.detach()}
         return keys, values
 
     def reset(self) -> None:
