@@ -71,6 +71,7 @@ class SuiteOptions:
     head_dim: int = 128  # kernels
     bits: int = 2  # kernels
     iters: int = 10  # kernels: timed runs (median)
+    loop: str = "attached"  # perplexity suites: "attached" (as generate runs) or "plain" (model(ids, past_key_values=cache))
 
     def one_length(self, default: int) -> int:
         """The single `tokens` value of a suite that takes one (its default when none is given)."""
