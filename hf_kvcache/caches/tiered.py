@@ -105,7 +105,8 @@ class TieredQuantOptions(CacheOptions):
     - group_size: warm-tier groups: tokens per per-channel key group, channels per value group (at most head_dim);
       also the unit in which tokens leave the tail
     - archive_group_size: the same for the archive (a multiple of group_size; None: group_size)
-    - value_group_size: channels per value group in both tiers (None: the tier's group size, at most head_dim)
+    - value_group_size: channels per value group in both tiers (None: the largest divisor of the value head_dim up
+      to the tier's group size)
     - sink_length: first tokens of the sequence kept in full precision (attention sinks)
     - archive_quantizer: "kivi" (uniform min/max codes) or "kvquant": non-uniform levels fitted per KV head and
       channel on the first positions archived, keys quantized before RoPE (undone with the model's RoPE, put
@@ -339,6 +340,11 @@ class _TierSpec:
         return self.bits if self.key_bits is None else self.key_bits
 
 
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` not above `at_most`: the default value group of a tier (channels per group)."""
+    return next(d for d in range(min(n, at_most), 0, -1) if n % d == 0)
+
+
 def needs_rope(p: TieredQuantOptions) -> bool:
     """Whether the archive options quantize keys before RoPE (and so need the model's RoPE)."""
     names = p.adaptive_formats if p.archive_quantizer == "adaptive" else [p.archive_quantizer]
@@ -409,7 +415,7 @@ class TieredQuantLayer(CompressedLayer):
         head_dim, value_dim = key_states.shape[-1], value_states.shape[-1]
         self.specs: dict[str, _TierSpec] = {}
         for tier, bits, group in (("warm", p.warm_bits, p.group_size), ("arch", p.archive_bits, p.archive_group)):
-            vg = p.value_group_size or min(group, value_dim)
+            vg = p.value_group_size or largest_divisor(value_dim, group)
             kg = group if p.key_axis == "channel" else (p.value_group_size or min(group, head_dim))
             if value_dim % vg:
                 raise ValueError(f"value_group_size={vg} must divide the value head_dim={value_dim}")
