@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +45,9 @@ class CacheSpec:
         if self.name in PEER_CACHES:
             return build_peer_cache(self.name, model.config, **self.options)
         return build_cache(self.name, model.config, **self.options)
+
+
+LOOPS = ("attached", "plain")  # how `run_benchmark` drives the model: inside `attached`, or a user's plain loop
 
 
 # transformers' own QuantizedCache, as a peer to compare with: name -> backend
@@ -123,8 +127,13 @@ def run_benchmark(
     chunk: int = 32,
     decode_steps: int = 16,
     progress: bool = True,
+    attach: bool = True,
 ) -> list[dict]:
-    """One row per spec; the first spec is the baseline for `delta_pct`."""
+    """One row per spec; the first spec is the baseline for `delta_pct`.
+
+    `attach`: run each cache inside `attached(model, cache)`, as `generate` does (the "hf_kvcache" attention, which
+    reports queries to the cache and reads its codes in place); False: the user's own plain loop,
+    `model(ids, past_key_values=cache)` with the model's own attention. Rows carry `loop` ("attached" / "plain")."""
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name)
     ids = load_tokens(tokenizer, load_text(text), start, tokens + decode_steps)
@@ -134,10 +143,10 @@ def run_benchmark(
     rows = []
     for spec in specs:
         cache = spec.build(model)
-        # as generate runs it: the attention the cache needs (mass, queries for calibration, fused reads)
-        with attached(model, cache):
+        # as generate runs it: the attention the cache needs (mass, queries for calibration, fused reads); or plain
+        with attached(model, cache) if attach else nullcontext():
             r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
-            row = {"cache": spec.label, **r.to_dict()}
+            row = {"cache": spec.label, "loop": LOOPS[0] if attach else LOOPS[1], **r.to_dict()}
             if hasattr(cache, "quality_metrics"):  # the online proxy, measured before the decode steps
                 row["proxy"] = cache.quality_metrics()["proxy"]
             stats = cache.memory_stats() if hasattr(cache, "memory_stats") else {}

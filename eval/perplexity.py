@@ -41,11 +41,15 @@ def streaming_perplexity(
     cache: Cache,
     chunk_size: int = 32,
     progress: bool = False,
-    on_chunk: Callable[[int], None] | None = None,
+    on_chunk: Callable[[int, list[float]], None] | None = None,
+    nll_block: int | None = None,
 ) -> PerplexityResult:
     """Perplexity of `input_ids` ([1, N]) fed in chunks of `chunk_size` tokens through `cache`.
 
-    Token t is scored from the logits of position t-1, whichever chunk that position was in.
+    Token t is scored from the logits of position t-1, whichever chunk that position was in. `chunk_nll` holds the
+    summed nll per chunk, or with `nll_block` per block of that many positions (token t in block t // nll_block, so
+    the first block scores nll_block - 1 tokens, as a first chunk does): finer units for a paired interval when the
+    chunks are long. `on_chunk(start, chunk_nll)` is called after each chunk with the sums so far.
     """
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"input_ids must be [1, N], got {tuple(input_ids.shape)}")
@@ -54,6 +58,8 @@ def streaming_perplexity(
     n = input_ids.shape[1]
     if n < 2:
         raise ValueError("need at least 2 tokens to score")
+    if nll_block is not None and nll_block < 1:
+        raise ValueError(f"nll_block must be >= 1 (or None: one sum per chunk), got {nll_block}")
     input_ids = input_ids.to(model.device)
     chunk_nll, scored, last_logits = [], 0, None
     starts = range(0, n, chunk_size)
@@ -67,11 +73,20 @@ def streaming_perplexity(
         logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float()
         preds = logits[:-1] if last_logits is None else torch.cat([last_logits, logits[:-1]])
         targets = chunk[0, 1:] if last_logits is None else chunk[0]
-        chunk_nll.append(torch.nn.functional.cross_entropy(preds, targets, reduction="sum").item())
+        nll = torch.nn.functional.cross_entropy(preds, targets, reduction="none")
+        if nll_block is None:
+            chunk_nll.append(nll.sum().item())
+        else:  # target positions first..start+len-1, summed into the blocks they fall in
+            first = start + chunk.shape[1] - targets.numel()
+            block_of = torch.arange(first, first + targets.numel()) // nll_block
+            sums = torch.zeros(int(block_of[-1]) + 1, dtype=torch.float64).index_add_(0, block_of, nll.double())
+            chunk_nll.extend([0.0] * (sums.numel() - len(chunk_nll)))
+            for b in range(int(block_of[0]), sums.numel()):
+                chunk_nll[b] += sums[b].item()
         scored += targets.numel()
         last_logits = logits[-1:]
         if on_chunk is not None:
-            on_chunk(start)
+            on_chunk(start, chunk_nll)
     seconds = time.perf_counter() - t0
     stats = memory_stats(cache)
     return PerplexityResult(math.exp(sum(chunk_nll) / scored), n, stats["bytes"], stats["fp16_bytes"], stats["ratio"],

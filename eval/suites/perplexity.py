@@ -4,12 +4,13 @@ Suites: `perplexity` (the caches of `--caches`), `peers` (the tiered cache and K
 QuantizedCache at 2 and 4 bits) and `ablations` (the tiered defaults with one thing changed per row); `--caches` adds
 caches after a preset's. Rows: `perplexity`, `delta_pct` (vs the first cache), `bytes`, `fp16_bytes`, `ratio`,
 `seconds`, `tokens_per_s` (streaming), `decode_tokens_per_s` (after the stream, unless --decode-steps 0), and where
-the cache reports them `proxy`, `tiers` (bytes and tokens per tier) and `archive_switches`.
+the cache reports them `proxy`, `tiers` (bytes and tokens per tier) and `archive_switches`. `--loop plain` drives the
+model as a user's own loop does (`model(ids, past_key_values=cache)`, no `attached`); the default is `attached`.
 """
 
 from __future__ import annotations
 
-from ..bench import parse_specs, run_benchmark
+from ..bench import LOOPS, parse_specs, run_benchmark
 from ..rows import Row, make_row
 from . import SuiteOptions
 
@@ -59,9 +60,11 @@ def cache_texts(opts: SuiteOptions) -> list[str]:
 
 def run(opts: SuiteOptions) -> list[Row]:
     """One row per cache; the first cache is the baseline of `delta_pct`."""
+    if opts.loop not in LOOPS:
+        raise ValueError(f"loop must be one of {list(LOOPS)}, got {opts.loop!r}")
     specs = parse_specs(cache_texts(opts))
     tokens = opts.one_length(DEFAULT_TOKENS[opts.suite])
     steps = 16 if opts.decode_steps is None else opts.decode_steps
     rows = run_benchmark(specs, opts.model, opts.text, opts.start, tokens, opts.chunk or 32, steps,
-                         progress=opts.progress)
+                         progress=opts.progress, attach=opts.loop == "attached")
     return [make_row(opts.suite, r.pop("cache"), opts.model, r.pop("tokens"), **r) for r in rows]

@@ -45,17 +45,19 @@ from ..calibrate.recipe import choose_key_clipping
 from ..calibrate.quality import QualityTracker
 from ..calibrate.thresholds import AdaptiveThresholds
 from .base import CompressedCache, CompressedLayer, memory_stats
+from .budget import RatioBudget
 from .archive import ARCHIVE_FORMATS, FORMAT_CLASSES, ArchiveFormat, KIVIFormat
-from .tiers import LayerTiers, PlainTier, QuantTier, SegmentedTier, format_of
+from .tiers import LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format
 
 QUANTIZERS = (*ARCHIVE_FORMATS, "adaptive")
-ROTATIONS = ("auto", *ROTATION_CANDIDATES)
+ROTATIONS = ("auto", "static", *ROTATION_CANDIDATES)
 TAIL_DTYPES = ("auto", None, "float32", "float16", "bfloat16")
 ROTATION_DTYPES = (None, "bfloat16")
 CLIP_TARGETS = ("keys", "values", "both", "auto")
 TIERS = ("sink", "archive", "warm", "tail")
 # the options a sliding-window layer may run with differently (`TieredQuantOptions.sliding`)
-SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "archive_bits", "group_size",
+SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "archive_bits", "archive_key_bits",
+                  "group_size",
                   "archive_group_size", "value_group_size", "rotation", "clip_ratio", "clip_search", "clip_on",
                   "archive_quantizer")
 # what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256:
@@ -91,11 +93,20 @@ class TieredQuantOptions(CacheOptions):
     - warm_fraction: the warm tier also keeps this fraction of the positions seen (of the window, for a sliding
       layer), rounded down to whole groups, when that is more than warm_length: the archive's share, and its error,
       stop growing with the context (0: a fixed warm tier)
+    - target_ratio: the warm tier also keeps as many positions as the cache's memory allows at this ratio vs fp16
+      (`caches.budget.RatioBudget`: the bytes every tensor of the cache holds, sliding-window layers included, at
+      most fp16 bytes / target_ratio once the context is long enough for it): the newest positions get warm_bits
+      as far as that memory goes (None: no memory target)
     - warm_bits / archive_bits: code widths of the two quantized tiers (1..8; 1, 2, 4, 8 unpack by table lookup)
+    - archive_key_bits: the KIVI archive's key width when it differs from its value width (None: archive_bits).
+      Keys decide which positions a query reads and carry most of a 2-bit archive's attention error; a third key
+      bit costs 1 bit per key element and needs neither a key rotation nor key clipping to pay off (docs/results/
+      long_context.md)
     - group_size: warm-tier groups: tokens per per-channel key group, channels per value group (at most head_dim);
       also the unit in which tokens leave the tail
     - archive_group_size: the same for the archive (a multiple of group_size; None: group_size)
-    - value_group_size: channels per value group in both tiers (None: the tier's group size, at most head_dim)
+    - value_group_size: channels per value group in both tiers (None: the largest divisor of the value head_dim up
+      to the tier's group size)
     - sink_length: first tokens of the sequence kept in full precision (attention sinks)
     - archive_quantizer: "kivi" (uniform min/max codes) or "kvquant": non-uniform levels fitted per KV head and
       channel on the first positions archived, keys quantized before RoPE (undone with the model's RoPE, put
@@ -122,7 +133,8 @@ class TieredQuantOptions(CacheOptions):
     - rotation: randomized Hadamard rotation of the head dim before quantizing: "none", "keys", "values", "both",
       or "auto": each layer picks one of those from its own keys, values and queries on its first prefill
       (`hf_kvcache.calibrate`; the queries come from the "hf_kvcache" attention, which `generate` switches to; without
-      them a layer takes "none")
+      them a layer takes "none"); "static": values rotated wherever the value head dim is a power of two, keys
+      never, chosen without queries, so that `generate`, `attached` and a user's plain loop run the same recipe
     - calibration_queries: how many of the first forward's last queries "auto" calibrates with
     - archive_error_target: with rotation "auto" and a KIVI archive, the same calibration also widens the archive
       of a layer whose round trip at archive_bits gives its queries a relative attention-output error above this
@@ -164,8 +176,10 @@ class TieredQuantOptions(CacheOptions):
     tail_length: int = 64
     warm_length: int = 448
     warm_fraction: float = 0.22
+    target_ratio: float | None = None
     warm_bits: int = 4
     archive_bits: int = 2
+    archive_key_bits: int | None = None
     group_size: int = 32
     archive_group_size: int | None = 64
     value_group_size: int | None = None
@@ -194,8 +208,15 @@ class TieredQuantOptions(CacheOptions):
         check_int("tail_length", self.tail_length, lo=0)
         check_int("warm_length", self.warm_length, lo=0)
         check_number("warm_fraction", self.warm_fraction, 0.0, 1.0)
+        check_number("target_ratio", self.target_ratio, 1.0, lo_open=True, allow_none=True)
         check_int("warm_bits", self.warm_bits, 1, 8)
         check_int("archive_bits", self.archive_bits, 1, 8)
+        if self.archive_key_bits is not None:
+            check_int("archive_key_bits", self.archive_key_bits, 1, 8)
+            if self.archive_quantizer != "kivi":
+                raise ValueError(f"archive_key_bits={self.archive_key_bits} sets the key width of a KIVI archive; "
+                                 f"archive_quantizer={self.archive_quantizer!r} has one width: use archive_quantizer="
+                                 "'kivi', or archive_key_bits=None")
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
         check_number("archive_outliers", self.archive_outliers, 0.0, 0.5, hi_open=True)
         self._check_archive_formats()
@@ -312,6 +333,16 @@ class _TierSpec:
     bits: int
     key_group: int  # tokens per key group (per-channel keys) or channels per key group (per-token keys)
     value_group: int  # channels per value group
+    key_bits: int | None = None  # the keys' width when it differs (None: bits)
+
+    @property
+    def kbits(self) -> int:
+        return self.bits if self.key_bits is None else self.key_bits
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` not above `at_most`: the default value group of a tier (channels per group)."""
+    return next(d for d in range(min(n, at_most), 0, -1) if n % d == 0)
 
 
 def needs_rope(p: TieredQuantOptions) -> bool:
@@ -357,6 +388,7 @@ class TieredQuantLayer(CompressedLayer):
         self.switches: list[dict] = []  # adaptive archive: {position, from, to} of every format switch
         self._in_flight = 0
         self.quality = QualityTracker()  # error of every block quantized in this sequence (`quality_metrics`)
+        self.budget: RatioBudget | None = None  # the cache's memory target (`target_ratio`), set by the cache
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
         self.plan: TieredQuantOptions = self._plan()
@@ -383,14 +415,14 @@ class TieredQuantLayer(CompressedLayer):
         head_dim, value_dim = key_states.shape[-1], value_states.shape[-1]
         self.specs: dict[str, _TierSpec] = {}
         for tier, bits, group in (("warm", p.warm_bits, p.group_size), ("arch", p.archive_bits, p.archive_group)):
-            vg = p.value_group_size or min(group, value_dim)
+            vg = p.value_group_size or largest_divisor(value_dim, group)
             kg = group if p.key_axis == "channel" else (p.value_group_size or min(group, head_dim))
             if value_dim % vg:
                 raise ValueError(f"value_group_size={vg} must divide the value head_dim={value_dim}")
             if p.key_axis == "token" and head_dim % kg:
                 raise ValueError(f"per-token key groups of {kg} channels must divide head_dim={head_dim}")
-            self.specs[tier] = _TierSpec(bits, kg, vg)
-        if p.rotation not in ("auto", "none"):
+            self.specs[tier] = _TierSpec(bits, kg, vg, p.archive_key_bits if tier == "arch" else None)
+        if p.rotation not in ("auto", "static", "none"):
             for flag, dim in ((p.rotation in ("keys", "both"), head_dim), (p.rotation in ("values", "both"), value_dim)):
                 if flag and not is_power_of_two(dim):
                     raise ValueError(f"rotation={p.rotation!r} needs a power-of-two head_dim, got {dim}")
@@ -408,7 +440,9 @@ class TieredQuantLayer(CompressedLayer):
             if p.archive_rank is not None and p.archive_rank > dim:
                 raise ValueError(f"archive_rank={p.archive_rank} exceeds the {name} {dim}: choose at most {dim}, or "
                                  "None (every direction)")
-        if self.recipe is None and p.rotation != "auto":
+        if self.recipe is None and p.rotation == "static":
+            self.recipe = LayerRecipe("values" if is_power_of_two(value_dim) else "none", source="static")
+        elif self.recipe is None and p.rotation != "auto":
             self.recipe = LayerRecipe(p.rotation)
         if self.recipe is not None and self.recipe.archive_bits is not None:  # given, or chosen by calibration
             self.specs["arch"] = dataclasses.replace(self.specs["arch"], bits=self.recipe.archive_bits)
@@ -530,7 +564,7 @@ class TieredQuantLayer(CompressedLayer):
         k_clip = clip if self.clips("keys") else {}
         v_clip = clip if self.clips("values") else {}
         return (
-            dict(group_size=spec.key_group, axis=p.key_axis, bits=spec.bits, **k_clip),
+            dict(group_size=spec.key_group, axis=p.key_axis, bits=spec.kbits, **k_clip),
             dict(group_size=spec.value_group, axis="token", bits=spec.bits, **v_clip),
         )
 
@@ -568,8 +602,9 @@ class TieredQuantLayer(CompressedLayer):
         pos, prev = self._tier_starts()["archive"], None
         for q in self._segments(tiers.archive):
             name, bits = format_of(q)
-            self._archive_format(name, bits).adopt(q)
-            label = f"{name}-{bits}"
+            if name != "kivi":  # KIVI codes carry everything they need; the fitted formats take their state back
+                self._archive_format(name, bits).adopt(q)
+            label = format_label(q)
             if prev is not None and prev != label:
                 self.switches.append({"position": pos, "from": prev, "to": label})
             pos, prev = pos + q.tokens, label
@@ -760,18 +795,22 @@ class TieredQuantLayer(CompressedLayer):
         self._in_flight = 0
 
     def _warm_target(self) -> int:
-        """Positions the warm tier keeps now: warm_length, or warm_fraction of the positions seen (of the window)."""
+        """Positions the warm tier keeps now: warm_length, warm_fraction of the positions seen (of the window), or
+        what the memory target allows (`budget`, full-attention layers), whichever is most."""
         p = self.plan
         seen = self.cumulative_length if self.sliding_window is None else min(self.cumulative_length, self.sliding_window)
-        return max(p.warm_length, int(p.warm_fraction * seen) // p.group_size * p.group_size)
+        target = max(p.warm_length, int(p.warm_fraction * seen) // p.group_size * p.group_size)
+        if self.budget is not None and not self.is_sliding:
+            target = max(target, self.budget.warm_positions(self))
+        return target
 
     def _append_archive(self, q: QuantTier, start: int) -> None:
         """`q` (positions `start..`) after the archive; a change of format is recorded in `switches`."""
         t = self.tiers
         if t.archive is not None:
-            before, now = format_of(self._segments(t.archive)[-1]), format_of(q)
-            if before != now:
-                self.switches.append({"position": start, "from": "%s-%d" % before, "to": "%s-%d" % now})
+            before, now = self._segments(t.archive)[-1], q
+            if not same_format(before, now):
+                self.switches.append({"position": start, "from": format_label(before), "to": format_label(now)})
         t.archive = q if t.archive is None else t.archive.cat(q)
 
     def _drop_outside_window(self) -> None:
@@ -928,6 +967,12 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
                         config, layer_type=layer_type, user=f"archive_quantizer={self.options.archive_quantizer!r}",
                         instead="archive_quantizer='kivi'" + (
                             " or subspace_prerope=False" if self.options.archive_quantizer == "subspace" else ""))
+        target = getattr(self.options, "target_ratio", None)
+        if target is not None:
+            budget = RatioBudget(target, self.layers)
+            for layer in self.layers:
+                if isinstance(layer, TieredQuantLayer):
+                    layer.budget = budget
         recipes = getattr(self.options, "recipes", None)
         if recipes is not None:
             if len(recipes) != len(self.layers):

@@ -71,7 +71,7 @@ class QuantTier:
 
     def cat(self, other: "QuantTier | SegmentedTier") -> "QuantTier | SegmentedTier":
         """`self` followed by `other`: one tier when both have the same format, else a `SegmentedTier`."""
-        if isinstance(other, QuantTier) and format_of(self) == format_of(other):
+        if isinstance(other, QuantTier) and same_format(self, other):
             return QuantTier(self.keys.cat(other.keys), self.values.cat(other.values))
         return SegmentedTier([self]).cat(other)
 
@@ -89,6 +89,25 @@ def format_of(q: QuantTier) -> tuple[str, int]:
     if isinstance(k, SubspaceRows):
         return "subspace", k.nominal_bits or k.bits[0]
     raise TypeError(f"unknown quantized tier type {type(k).__name__}")
+
+
+def widths(q: QuantTier) -> tuple[int, int]:
+    """(key bits, value bits) of a quantized tier (one width for both, except a KIVI archive with its own key
+    width)."""
+    _, bits = format_of(q)
+    return (bits, q.values.bits) if isinstance(q.values, KIVIQuantized) else (bits, bits)
+
+
+def same_format(a: QuantTier, b: QuantTier) -> bool:
+    """Whether two tiers hold the same format at the same widths (their codes can be concatenated)."""
+    return format_of(a) == format_of(b) and widths(a) == widths(b)
+
+
+def format_label(q: QuantTier) -> str:
+    """"kivi-2", "kvquant-3", ...; "kivi-3/2" for 3-bit keys with 2-bit values."""
+    name, _ = format_of(q)
+    k, v = widths(q)
+    return f"{name}-{k}" if k == v else f"{name}-{k}/{v}"
 
 
 @dataclass
@@ -128,7 +147,7 @@ class SegmentedTier:
     def cat(self, other: "QuantTier | SegmentedTier") -> "SegmentedTier":
         parts = list(self.parts)
         for q in other.segments():
-            if format_of(parts[-1]) == format_of(q):
+            if same_format(parts[-1], q):
                 parts[-1] = QuantTier(parts[-1].keys.cat(q.keys), parts[-1].values.cat(q.values))
             else:
                 parts.append(q)

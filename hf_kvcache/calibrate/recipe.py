@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 ROTATION_CANDIDATES = ("none", "keys", "values", "both")
-SOURCES = ("queries", "no-queries", "given")
+SOURCES = ("queries", "no-queries", "given", "static")
 ROTATION_MARGIN = 0.1
 # clip_on="auto": clipping a layer's keys must lower its calibration attention error by this much. Gemma-3-270M's
 # full layers showed 13-15 % leads (0.207 -> 0.180, 0.171 -> 0.152) yet lost perplexity (+0.98 % -> +4.52 % at 2048
