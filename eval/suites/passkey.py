@@ -161,7 +161,9 @@ def answer(
     chunk: int = 0, mode: str = "agnostic",
 ) -> Answer:
     """Greedy answer of the model with the cache of `spec` to `context_ids + question_ids` (see the module docstring
-    for `mode`; `chunk`: tokens per prefill forward, 0 = one forward), at most `new_tokens` tokens."""
+    for `mode`; `chunk`: tokens per prefill forward, 0 = one forward), at most `new_tokens` tokens. A cache scored by
+    context reconstruction (`policy="reconstruct"`) is scored once the context is in (`held_for_scoring`)."""
+    from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids
     from hf_kvcache.registry import attached
 
     check_mode(mode)
@@ -173,8 +175,10 @@ def answer(
     step = chunk if chunk and chunk > 0 else context.shape[1]
     full = torch.tensor([context_ids + question_ids], device=dev)
     with attached(model, cache):  # the attention the cache needs, for the context as for the generate after it
-        for s in range(0, context.shape[1], step):
-            model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+        # a cache scored by reconstruction evicts once the whole context is in and scored
+        with held_for_scoring(model, cache, context, reconstruction_prompt_ids(tokenizer)):
+            for s in range(0, context.shape[1], step):
+                model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
         held = _held(cache)  # after the context: the question has not been seen
         out = model.generate(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
@@ -185,6 +189,7 @@ def answer(
 
 def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],
                            new_tokens: int, chunk: int) -> Answer:
+    from hf_kvcache.caches.evict.reconstruct import reconstruction_prompt_ids, score_context, scored_layers
     from hf_kvcache.registry import attached
 
     n, q = len(context_ids), len(question_ids)
@@ -197,6 +202,8 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
             logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True,
                            logits_to_keep=1).logits
         if keep is not None:
+            if scored_layers(cache):  # scored by reconstruction: the context is repeated, the question is not
+                score_context(model, cache, full[:, :n], reconstruction_prompt_ids(tokenizer))
             cache.evict_to(keep, protect_last=q)  # the question has been seen: down to the budget, question kept
         held = _held(cache)
         nxt = int(logits[0, -1].argmax())

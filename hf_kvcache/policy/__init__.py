@@ -16,6 +16,7 @@ from .h2o import H2OPolicy
 from .hybrid import HybridPolicy
 from .knorm import KNormPolicy
 from .recent import RecentPolicy
+from .reconstruct import ReconstructionPolicy
 from .registry import POLICIES, option_users, policy_from_options, register_policy
 from .sinks import SinksPolicy
 from .snapkv import SnapKVPolicy
@@ -34,6 +35,7 @@ register_policy(SinksPolicy)
 register_policy(StridedPolicy)
 register_policy(HybridPolicy)
 register_policy(ExpectedAttentionPolicy)
+register_policy(ReconstructionPolicy)
 
 
 def policy_from_dict(spec: dict[str, Any] | str) -> EvictionPolicy:
@@ -66,6 +68,7 @@ __all__ = [
     "PolicyWrapper",
     "Pyramid",
     "RecentPolicy",
+    "ReconstructionPolicy",
     "SharedHeads",
     "SinksPolicy",
     "SlotView",

@@ -39,7 +39,8 @@ class SlotView:
     """The held slots of one layer, `[batch, kv_heads, slots]` each, in order of position (oldest first)."""
 
     scores: torch.Tensor | None  # float32 attention mass received so far (summed over the query heads of the group
-    # and the queries, faded by the policy's `mass_decay`); None unless the policy `uses_mass`
+    # and the queries, faded by the policy's `mass_decay`), or the score written between forwards (`scored_outside`);
+    # None unless the policy `uses_mass` or is `scored_outside`
     positions: torch.Tensor  # int: position of the token in its sequence (padding included)
     valid: torch.Tensor  # bool: False for padding
     seen: int = 0  # tokens the layer has seen: the slot at position p was visible to `seen - p` queries
@@ -92,6 +93,8 @@ class EvictionPolicy:
 
     # ---- what the layer asks (option groups and wrappers override these defaults, some with properties) ----------
     uses_mass: ClassVar[bool] = False  # the layer accumulates the attention mass each slot receives (`view.scores`)
+    scored_outside: ClassVar[bool] = False  # the slots carry a score written between forwards (`view.scores`; the
+    # context reconstruction, `caches.evict.reconstruct`), `policy.reconstruct.UNSCORED` until it is written
     value_weighted: ClassVar[bool] = False  # the priority is multiplied by each slot's value norm (`scores`)
     by_output_error: ClassVar[bool] = False  # the window attention is replaced by each slot's removal error
     mass_decay: ClassVar[float | None] = None  # factor (< 1) by which the accumulated mass fades per query

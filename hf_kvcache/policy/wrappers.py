@@ -86,7 +86,8 @@ class PolicyWrapper(EvictionPolicy):
         return self.policy.select_across_heads(view, budget, protect_last)
 
 
-FORWARDED = ("needs_scores", "ranks_by_attention", "uses_keys", "uses_queries", "uses_mass", "value_weighted",
+FORWARDED = ("needs_scores", "ranks_by_attention", "uses_keys", "uses_queries", "uses_mass", "scored_outside",
+             "value_weighted",
              "by_output_error", "mass_decay", "crop_queries", "sink_count", "ragged_heads", "merging")
 for _name in FORWARDED:  # what a wrapper does not change, it answers as the policy it wraps
     setattr(PolicyWrapper, _name, _forwarded(_name))

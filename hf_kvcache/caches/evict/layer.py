@@ -25,6 +25,7 @@ Right padding is not supported (generate never produces it).
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,6 +37,9 @@ from .crop import check_not_evicted, crop_problem, mass_span, scores_without
 from .merge import fold_evicted
 from .options import EvictOptions
 from .slots import RowFn, SlotLayer
+
+if TYPE_CHECKING:
+    from .reconstruct import ContextScoring
 
 MERGE_WINDOW = 32  # queries whose attention weighs a merge (the ring holds at least that many with a Merge policy)
 
@@ -63,6 +67,8 @@ class H2OLayer(SlotLayer):
         self._pending = 0  # tokens of the last update still waiting for their attention mass
         # why a crop left scores it could not correct (the next update raises it); None when they are right
         self.stale_after_crop: str | None = None
+        self.hold = False  # evict nothing by itself (a context waiting to be scored, `reconstruct.held_for_scoring`)
+        self.scoring: "ContextScoring | None" = None  # set while a reconstruction forward runs (`reconstruct`)
         self._clear_queries()
 
     def _clear_queries(self) -> None:
@@ -74,6 +80,8 @@ class H2OLayer(SlotLayer):
         """Queries the `"hf_kvcache"` attention reports (`observe_queries`): the policy's window (at least
         `MERGE_WINDOW` with a Merge policy), plus `crop_window` while `crop` may have to undo what they did
         (`tracks_crop`)."""
+        if self.scoring is not None:  # a reconstruction forward: all its queries
+            return self.scoring.queries
         window = max(self.window, MERGE_WINDOW) if self.policy.merging is not None else self.window
         return window + (self.crop_window if self.tracks_crop() else 0)
 
@@ -105,6 +113,9 @@ class H2OLayer(SlotLayer):
         of the last `query_window` queries, with their positions and padding flags; 16-bit for window policies (what
         they read; 8-bit with `quant` when the ring holds more than one query), the model's dtype for the mass
         policies (`crop` recomputes the mass they gave as the attention computed it)."""
+        if self.scoring is not None:
+            self.scoring.observe(self, queries, scaling)
+            return
         if not self._pending or not self.query_window:
             return
         w = queries.shape[2]
@@ -191,8 +202,9 @@ class H2OLayer(SlotLayer):
     def evict(self, budget: int | None = None, protect_last: int = 0) -> None:
         """Keep the policy's `budget` slots of every (row, KV head) (default: the options' budget for the tokens
         seen, once the layer holds `evict_every` tokens over it), the `protect_last` newest real tokens among them
-        whatever their score. Ragged heads (`AdaKV`) share `budget x kv_heads` slots and are stored compactly."""
-        if self.slots is None:
+        whatever their score. Ragged heads (`AdaKV`) share `budget x kv_heads` slots and are stored compactly. While
+        `hold` is set only an explicit `budget` evicts."""
+        if self.slots is None or (budget is None and self.hold):
             return
         slack = 0
         if budget is None:
@@ -323,4 +335,6 @@ class H2OLayer(SlotLayer):
         super().reset()
         self._pending = 0
         self.stale_after_crop = None
+        self.hold = False
+        self.scoring = None
         self._clear_queries()

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Union
 
 import torch
 
+from ...policy.reconstruct import UNSCORED
 from ...quant.kivi import KIVIQuantized, dequantize_kivi
 from ...quant.prerope import PreRopeKeys
 from ..base import FP16_BYTES, CompressedLayer
@@ -178,7 +179,7 @@ class SlotLayer(CompressedLayer):
             keys, values,
             positions=torch.arange(start, start + n, dtype=torch.int32, device=dev).expand(b, h, n).contiguous(),
             valid=torch.ones(b, h, n, dtype=torch.bool, device=dev),
-            scores=torch.zeros(b, h, n, dtype=torch.float32, device=dev) if self.policy.uses_mass else None,
+            scores=self._new_scores(b, h, n, dev),
             log_weight=(torch.zeros(b, h, n, dtype=torch.float32, device=dev)
                         if merging is not None and merging.mode == "mass" else None),
         )
@@ -189,6 +190,15 @@ class SlotLayer(CompressedLayer):
             self._decoded_keys = DecodedKeys(self.slots.keys, self.slots.positions, memo.keys, (keys, new.positions))
         else:
             self._decoded_keys = None
+
+    def _new_scores(self, b: int, h: int, n: int, dev: torch.device) -> torch.Tensor | None:
+        """`[b, h, n]` float32 scores of new slots: 0 for mass policies, `UNSCORED` for policies scored between
+        forwards (`scored_outside`), None for the others."""
+        if self.policy.uses_mass:
+            return torch.zeros(b, h, n, dtype=torch.float32, device=dev)
+        if self.policy.scored_outside:
+            return torch.full((b, h, n), UNSCORED, dtype=torch.float32, device=dev)
+        return None
 
     def _quantize_keys(self, keys: torch.Tensor, start: int) -> KIVIQuantized:
         """`key_quant="prerope"`: codes of the new `keys [b, h, n, d]` (positions start..start+n-1); the held keys

@@ -1,0 +1,137 @@
+"""The context-reconstruction scorer (`policy.reconstruct`, `caches.evict.reconstruct`) on a tiny random Llama."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from policy_contract import B, H, tiny_model
+
+from hf_kvcache import H2OCache
+from hf_kvcache.caches.evict.reconstruct import held_for_scoring, score_context
+from hf_kvcache.policy import ReconstructionPolicy
+from hf_kvcache.policy.reconstruct import UNSCORED
+
+PROMPT = [5, 6, 7]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+def _ids(seed: int, n: int = 40) -> torch.Tensor:
+    return torch.randint(0, 97, (B, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _reference_scores(model, ids: torch.Tensor, chunk: int, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """Per layer `[B, H, n]`: the largest attention probability any query of `PROMPT + span` (over the context +
+    itself, eager attention of a DynamicCache) gives each context token, for every span of `chunk` tokens."""
+    n = ids.shape[1]
+    mask = torch.ones_like(ids) if mask is None else mask
+    best = None
+    for start in range(0, n, chunk):
+        span = torch.cat([torch.tensor([PROMPT] * B), ids[:, start : start + chunk]], 1)
+        span_mask = torch.cat([torch.ones(B, len(PROMPT), dtype=torch.long), mask[:, start : start + chunk]], 1)
+        full = torch.cat([ids, span], 1)
+        full_mask = torch.cat([mask, span_mask], 1)
+        positions = (full_mask.cumsum(1) - 1).clamp_min(0)
+        eager = copy.deepcopy(model)
+        eager.set_attn_implementation("eager")
+        out = eager(full, attention_mask=full_mask, position_ids=positions, output_attentions=True)
+        w = span.shape[1]
+        part = []
+        for att in out.attentions:  # [B, heads, n + w, n + w]
+            a = att[:, :, -w:, :n] * span_mask[:, None, :, None]  # padding queries give nothing
+            part.append(a.reshape(B, H, -1, w, n).amax(dim=(2, 3)))
+        best = part if best is None else [torch.maximum(x, y) for x, y in zip(best, part)]
+    return best
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("chunk", [16, 64])
+def test_scores_equal_the_attention_of_the_repeat(model, chunk):
+    """The scores after `score_context` are the largest attention the repeat queries give each context token
+    (eager attention of the same sequence as reference), and the cache is left as it was: same tokens seen, same
+    slots, the same next logits."""
+    ids = _ids(1)
+    cache = H2OCache(config=model.config, budget=1.0, policy=ReconstructionPolicy(chunk=chunk))
+    model(ids, past_key_values=cache)
+    untouched = copy.deepcopy(cache)
+    assert (cache.layers[0].held_scores() == UNSCORED).all()
+    score_context(model, cache, ids, PROMPT)
+    assert cache.get_seq_length() == 40
+    for layer, ref in zip(cache.layers, _reference_scores(model, ids, chunk)):
+        torch.testing.assert_close(layer.held_scores(), ref, atol=1e-5, rtol=0)
+    nxt = _ids(2, 1)
+    torch.testing.assert_close(model(nxt, past_key_values=cache).logits,
+                               model(nxt, past_key_values=untouched).logits, atol=1e-6, rtol=0)
+
+
+@torch.inference_mode()
+def test_left_padded_batch(model):
+    """Row 1 left-padded by 9: its scores are those of the row alone without padding (padding never scored high,
+    never kept), in a batch of two."""
+    ids = _ids(3)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    cache = H2OCache(config=model.config, budget=12, policy=ReconstructionPolicy(chunk=16))
+    with held_for_scoring(model, cache, ids, PROMPT, attention_mask=mask):
+        model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+        assert cache.tokens_held() == 40  # held while the context comes in
+    alone = H2OCache(config=model.config, budget=1.0, policy=ReconstructionPolicy(chunk=16))
+    model(ids[1:, 9:], past_key_values=alone)
+    score_context(model, alone, ids[1:, 9:], PROMPT)
+    ref = _reference_scores(model, ids, 16, mask)
+    for layer, ref_layer, one in zip(cache.layers, ref, alone.layers):
+        assert layer.tokens_held() == 12 and layer.held_valid().all()  # the padding went first
+        kept = layer.held_positions()
+        torch.testing.assert_close(layer.held_scores(), ref_layer.gather(2, kept), atol=1e-5, rtol=0)
+        want = one.held_scores()[0].topk(12, -1).indices.sort(-1).values + 9
+        assert torch.equal(kept[1], want)  # the same tokens as the unpadded row alone (chunks shifted by padding:
+        # scores differ slightly, not the ranking here)
+
+
+@torch.inference_mode()
+def test_compress_once_ask_many(model):
+    """`evict_to` after scoring keeps the top-scored tokens; questions over copies of the compressed cache leave it
+    unchanged; new tokens rank above the scored context (a ratio budget kept while decoding evicts context)."""
+    ids = _ids(4)
+    cache = H2OCache(config=model.config, budget=1.0, policy="reconstruct", chunk=32)
+    model(ids, past_key_values=cache)
+    score_context(model, cache, ids, PROMPT)
+    scores = [layer.held_scores().clone() for layer in cache.layers]
+    cache.evict_to(10)
+    for layer, s in zip(cache.layers, scores):
+        assert torch.equal(layer.held_positions(), s.topk(10, -1).indices.sort(-1).values)
+    before = [layer.held_positions().clone() for layer in cache.layers]
+    for q in range(2):
+        asked = copy.deepcopy(cache)
+        model(_ids(5 + q, 6), past_key_values=asked)
+        assert asked.get_seq_length() == 46
+    assert all(torch.equal(layer.held_positions(), p) for layer, p in zip(cache.layers, before))
+    ratio = H2OCache(config=model.config, budget=0.5, policy="reconstruct", chunk=32)
+    with held_for_scoring(model, ratio, ids, PROMPT):
+        model(ids, past_key_values=ratio)
+    assert ratio.tokens_held() == 20
+    for t in range(6):  # decoding: the budget grows by one token every two; the new tokens are all kept
+        model(_ids(10 + t, 1), past_key_values=ratio)
+    pos = ratio.layers[0].held_positions()
+    assert ratio.tokens_held() == 23 and (pos[..., -6:] == torch.arange(40, 46)).all()
+
+
+def test_options_are_checked():
+    with pytest.raises(ValueError, match="reduce='mean' is not valid"):
+        ReconstructionPolicy(reduce="mean")
+    with pytest.raises(ValueError, match="chunk"):
+        ReconstructionPolicy(chunk=0)
+
+
+@torch.inference_mode()
+def test_score_context_needs_a_reconstruction_cache(model):
+    cache = H2OCache(config=model.config, budget=1.0, policy="tova")
+    model(_ids(6), past_key_values=cache)
+    with pytest.raises(ValueError, match="policy='reconstruct'"):
+        score_context(model, cache, _ids(6), PROMPT)
