@@ -214,6 +214,7 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
             assert s["score"] == score(s["expected"], s["answer"])
     by = {(r["cache"], r["task"]): r for r in rows}
     assert by["int4", "average"]["ratio"] > 3 * by["dynamic", "average"]["ratio"]  # 4-bit vs the fp32 full cache
+    assert all(r["answer_ratio"] > 0 and r["results"][0]["answer_bytes"] > 0 for r in rows)
     assert by["h2o budget=0.5", "average"]["held"] < 0.55 * by["dynamic", "average"]["held"]
     assert "vs full (pts)" in capsys.readouterr().out
 
