@@ -8,7 +8,7 @@ import torch
 import hf_kvcache  # noqa: F401
 from hf_kvcache.attention import pending_requests
 from hf_kvcache import KIVICache, TieredQuantCache
-from hf_kvcache.caches.base import _Placeholder
+from hf_kvcache.caches.base import Placeholder
 from hf_kvcache.eval import load_tokens
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_switching_attention_after_fused_reads_stays_right(smol, moby_text):
 
 
 def test_placeholders_cannot_be_read():
-    p = _Placeholder.like(torch.randn(1, 2, 3, 4), 5)
+    p = Placeholder.like(torch.randn(1, 2, 3, 4), 5)
     assert p.shape == (1, 2, 5, 4) and p.dim() == 4 and p.dtype == torch.float32
     with pytest.raises(RuntimeError, match="attn_implementation='hf_kvcache'"):
         torch.matmul(torch.randn(1, 2, 1, 4), p.transpose(2, 3))
