@@ -18,7 +18,9 @@ The words of a region's opening comment (split as a shell splits them):
 - `by=file`: one line per label (`label=`, `cache` by default; several keys joined by a space) and one column per
   source, each cell the columns of that source's row joined by ", " (sources named by `names=A|B|...`);
 - `format=text`: the rows as `hf-kvcache compare` prints them (`rows.format_rows`), in a code block, after the
-  command that wrote them when every row records the same one; `pareto=no` drops its Pareto column.
+  command that wrote them when every row records the same one; `pareto=no` drops its Pareto column;
+- `format=ruler` / `format=long`: the suite's own markdown (`eval/suites/ruler.py:markdown_tables`, the summary of
+  sample rows; `eval/long_context.py:markdown_table`, deltas vs the full cache with paired intervals).
 """
 
 from __future__ import annotations
@@ -36,6 +38,19 @@ from typing import Any
 
 from .rows import COLUMNS, DEPTH_PREFIX, Row, format_rows
 
+def _ruler_markdown() -> Callable[[list[Row]], str]:
+    from .suites.ruler import markdown_tables
+
+    return markdown_tables
+
+
+def _long_markdown() -> Callable[[list[Row]], str]:
+    from .long_context import markdown_table
+
+    return markdown_table
+
+
+SUITES: dict[str, Callable[[], Callable[[list[Row]], str]]] = {"ruler": _ruler_markdown, "long": _long_markdown}
 OPEN = re.compile(r"<!--\s*rows:(?P<spec>.*?)-->", re.DOTALL)
 CLOSE = "<!-- /rows -->"
 DEFAULT_PAGES = ("README.md", "docs/results/*.md")
@@ -129,6 +144,7 @@ class RegionSpec:
     label: tuple[str, ...] = ("cache",)
     text: bool = False
     pareto: bool = True
+    suite: str | None = None  # format=ruler / format=long: rendered by that suite's markdown function
 
     @classmethod
     def parse(cls, spec: str) -> RegionSpec:
@@ -144,18 +160,20 @@ class RegionSpec:
             raise ValueError(f"rows region {spec.strip()!r}: give one or more row files and only the options "
                              "columns=, by=file, names=, label=, format=text, pareto=no" +
                              (f" (unknown: {sorted(unknown)})" if unknown else ""))
-        if options.get("by", "file") != "file" or options.get("format", "text") not in ("text", "table"):
-            raise ValueError(f"rows region {spec.strip()!r}: by= takes only 'file', format= 'text' or 'table'")
+        if options.get("by", "file") != "file" or options.get("format", "text") not in ("text", "table", *SUITES):
+            raise ValueError(f"rows region {spec.strip()!r}: by= takes only 'file', format= 'text', 'table', "
+                             + ", ".join(repr(s) for s in SUITES))
         text = options.get("format") == "text"
+        suite = options.get("format") if options.get("format") in SUITES else None
         columns = [Column.parse(w) for w in options.get("columns", "").split(",") if w]
-        if not text and not columns:
+        if not text and not suite and not columns:
             raise ValueError(f"rows region {spec.strip()!r}: name its columns=, or ask for format=text")
         names = options["names"].split("|") if "names" in options else [Path(s.path).stem for s in sources]
         if len(names) != len(sources):
             raise ValueError(f"rows region {spec.strip()!r}: names= gives {len(names)} names for "
                              f"{len(sources)} sources; separate them with |")
         return cls(sources, columns, "by" in options, names, tuple(options.get("label", "cache").split(",")),
-                   text, options.get("pareto", "yes") != "no")
+                   text, options.get("pareto", "yes") != "no", suite)
 
 
 def _label(row: Row, keys: tuple[str, ...]) -> str:
@@ -188,6 +206,8 @@ def render(spec: RegionSpec, root: Path) -> str:
     if spec.by_file:
         return _by_file(spec, tables)
     rows = [r for rows in tables for r in rows]
+    if spec.suite is not None:
+        return SUITES[spec.suite]()(rows)
     if spec.text:
         commands = {r.get("command") for r in rows}
         head = f"$ {commands.pop()}\n" if len(commands) == 1 and None not in commands else ""

@@ -59,6 +59,19 @@ def test_text_format_is_the_compare_table_after_its_command(repo):
     assert text[2].split() == ["cache", "ppl", "delta", "bytes", "held", "vs", "fp16"]
 
 
+def test_suite_formats_render_through_the_suites_markdown():
+    """format=ruler summarizes sample rows (a cut-off file) per cache and task; format=long gives paired deltas."""
+    ruler = render(RegionSpec.parse("docs/rows/ruler_qwen2.5-coder-0.5b_4096_agnostic.json format=ruler"), ROOT)
+    lines = ruler.splitlines()
+    assert lines[0] == "**qwen2.5-coder-0.5b, 4096 tokens, mode agnostic**"
+    assert lines[4].startswith("| dynamic | 0.50x | 100 |") and "| baseline | 7 |" in lines[4]
+    long = render(RegionSpec.parse("docs/rows/long_ppl_smollm2-135m.json format=long"), ROOT).splitlines()
+    assert long[0].startswith("| model | tokens | cache | loop | ppl | delta vs dynamic")
+    assert any(line.startswith("| smollm2-135m | 8192 | tiered | plain |") and "%" in line for line in long)
+    with pytest.raises(ValueError, match="format= 'text', 'table', 'ruler', 'long'"):
+        RegionSpec.parse("docs/rows/a.json format=fancy")
+
+
 def test_report_writes_regions_and_check_names_the_stale_one(repo, capsys):
     page = repo / "docs/results/p.md"
     page.write_text("# p\n\n<!-- rows: docs/rows/a.json columns=cache,perplexity -->\nold table\n<!-- /rows -->\n\n"
