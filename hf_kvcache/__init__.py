@@ -13,8 +13,9 @@ from .caches import (
     UniformQuantCache,
     memory_stats,
 )
+from .caches.tiered import LONG_CONTEXT  # noqa: F401  (public: the "tiered_long" preset)
 from .paged import PagedCache
-from .registry import attached, build_cache, cache_names, fixed, install, register_cache
+from .registry import attached, build_cache, cache_names, fixed, install, preset, register_cache
 from .attention import register as _register_attention
 from .attention import register_fused_kernel as _register_fused_kernel
 
@@ -25,6 +26,7 @@ register_cache("int4", fixed(UniformQuantCache, dtype="int4"))
 register_cache("fp8", fixed(UniformQuantCache, dtype="fp8_e4m3"))
 register_cache("uniform", UniformQuantCache)
 register_cache("tiered", TieredQuantCache)
+register_cache("tiered_long", preset(TieredQuantCache, **LONG_CONTEXT))  # query-free, the same in any loop
 register_cache("kivi", KIVICache)
 register_cache("cpac", CPACCache)
 register_cache("h2o", H2OCache)

@@ -54,6 +54,15 @@ def fixed(cache_class: CacheFactory, **fixed_options: Any) -> CacheFactory:
     return factory
 
 
+def preset(cache_class: CacheFactory, **preset_options: Any) -> CacheFactory:
+    """A factory for `cache_class` whose defaults are `preset_options`; options the user gives take precedence."""
+
+    def factory(config: PreTrainedConfig | None = None, **options: Any) -> Cache:
+        return cache_class(config=config, **{**copy.deepcopy(preset_options), **options})
+
+    return factory
+
+
 def cache_names() -> list[str]:
     return sorted(_FACTORIES)
 

@@ -35,6 +35,7 @@ CASES = {
     "uniform": {"dtype": "int4", "group_size": 16, "symmetric": False},
     "tiered": {"tail_length": 8, "warm_length": 8, "group_size": 8, "archive_group_size": 8, "sink_length": 2,
                "rotation": "both"},
+    "tiered_long": {"tail_length": 8, "group_size": 8, "archive_group_size": 8, "sink_length": 2},
     "kivi": {"residual_length": 8, "group_size": 8},
     "h2o": {"budget": 12, "policy": "hybrid"},  # sinks + heavy hitters + recent window: every part of the ranking
     "cpac": {"page_size": 8, "recent_pages": 1},

@@ -163,3 +163,13 @@ def test_long_rows_at_each_length_are_the_shorter_streams(tiny_llama):
     assert "| tiny | 256 | t | attached |" in markdown_table(rows)
     with pytest.raises(ValueError, match="multiple of --chunk"):
         LongRun("tiny", start=0, lengths=[100], chunk=32)
+
+
+def test_the_long_context_name_is_a_preset_the_user_can_override():
+    from hf_kvcache import LONG_CONTEXT, build_cache
+
+    cache = build_cache("tiered_long", llama_config(), target_ratio=6.0, sliding={"warm_bits": 4})
+    assert cache.options.rotation == "static" and cache.options.archive_key_bits == 3
+    assert cache.options.target_ratio == 6.0 and cache.options.sliding == {"warm_bits": 4}
+    assert LONG_CONTEXT["target_ratio"] == 5.0 and LONG_CONTEXT["sliding"]["archive_group_size"] == 64
+    assert build_cache("tiered_long", llama_config()).options.target_ratio == 5.0

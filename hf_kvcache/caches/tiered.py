@@ -66,6 +66,13 @@ SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "a
 # a near-tied greedy token: 2 of 24 tokens kept after a 700-token prompt, 24 with values only), no rotation
 SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "warm_bits": 3, "archive_bits": 3,
                    "rotation": "none", "clip_on": "values", "archive_quantizer": "kivi"}
+# `cache_implementation="tiered_long"`: a setting that needs no queries (a fixed value rotation, no calibration), so
+# a plain `model(ids, past_key_values=cache)` loop stores what `generate` stores; 3-bit archive keys in 128-token
+# groups beside 2-bit values; the warm tier sized by a 5x memory target (chosen on held-out spans:
+# docs/rows/long_selection_rule.md)
+LONG_CONTEXT = {"rotation": "static", "archive_key_bits": 3, "archive_group_size": 128, "warm_length": 64,
+                "warm_fraction": 0.0, "target_ratio": 5.0,
+                "sliding": {**SLIDING_DEFAULT, "archive_group_size": 64}}
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 
