@@ -13,7 +13,7 @@ from .caches import (
     UniformQuantCache,
     memory_stats,
 )
-from .caches.tiered import LONG_CONTEXT  # noqa: F401  (public: the "tiered_long" preset)
+from .caches.tiered import LONG_CONTEXT
 from .paged import PagedCache
 from .registry import attached, build_cache, cache_names, fixed, install, preset, register_cache
 from .attention import register as _register_attention
@@ -43,6 +43,7 @@ __all__ = [
     "UniformQuantCache",
     "TieredQuantCache",
     "KIVICache",
+    "LONG_CONTEXT",
     "PagedCache",
     "memory_stats",
     "attached",
