@@ -221,7 +221,7 @@ def test_without_config_layers_are_created_lazily():
     [
         (dict(archive_quantizer="hqq"), r"archive_quantizer='hqq' is not valid; choose one of \['kivi', 'kvquant', 'subspace', 'adaptive'\]"),
         (dict(key_axis="head"), r"key_axis='head' is not valid; choose one of \['channel', 'token'\]"),
-        (dict(rotation="queries"), r"rotation='queries' is not valid; choose one of \['auto', 'none', 'keys', 'values', 'both'\]"),
+        (dict(rotation="queries"), r"rotation='queries' is not valid; choose one of \['auto', 'static', 'none', 'keys', 'values', 'both'\]"),
         (dict(tail_dtype="int8"), r"tail_dtype='int8' is not valid; choose one of \['auto', None, 'float32'"),
         (dict(warm_bits=9), "warm_bits must be an integer in 1..8"),
         (dict(group_size=0), "group_size must be a positive integer"),

@@ -17,7 +17,7 @@ type (`format_of`); the adaptive archive keeps consecutive segments of different
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -25,14 +25,31 @@ from ..quant.kivi import dequantize_kivi, quantize_kivi
 from ..quant.kvquant import dequantize_nuq, fit_codebook, quantize_nuq
 from ..quant.subspace import (SubspaceBasis, allocate_bits, dequantize_subspace_rows, fit_subspace,
                               quantize_subspace_rows)
-from .tiers import QuantTier, format_of
+from .tiers import QuantTier, TierSpec, format_of
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .tiered import TieredQuantLayer, _TierSpec
+    from ..quant.rotation import HadamardRotation
+    from ..rope import KeyRotation
+
 
 ARCHIVE_FORMATS = ("kivi", "kvquant", "subspace")
 __all__ = ["ARCHIVE_FORMATS", "ArchiveFormat", "FORMAT_CLASSES", "KIVIFormat", "KVQuantFormat", "SubspaceFormat",
            "format_of"]
+
+
+class FormatHost(Protocol):
+    """What a format reads from the layer it codes for (a `TieredQuantLayer`): its options, the model's RoPE (pre-RoPE
+    formats), the Hadamard rotations calibration chose (KIVI codes live in that basis), and its clipping choices."""
+
+    plan: Any  # the layer's `TieredQuantOptions`
+    rope: KeyRotation | None
+    rot_k: HadamardRotation | None
+    rot_v: HadamardRotation | None
+    rot_dtype: torch.dtype
+
+    def clips(self, tensor: str) -> bool: ...
+
+    def quant_args(self, tier: "str | TierSpec") -> tuple[dict, dict]: ...
 
 
 class ArchiveFormat:
@@ -41,7 +58,7 @@ class ArchiveFormat:
     name = ""
     rotated = False  # codes live in the layer's rotated basis (KIVI): prepare/decode may take/give it directly
 
-    def __init__(self, layer: "TieredQuantLayer", spec: "_TierSpec") -> None:
+    def __init__(self, layer: FormatHost, spec: TierSpec) -> None:
         self.layer, self.spec = layer, spec
 
     @property
@@ -98,7 +115,7 @@ class KIVIFormat(ArchiveFormat):
         return keys, values
 
     def encode(self, keys, values):
-        ka, va = self.layer._qargs(self.spec)
+        ka, va = self.layer.quant_args(self.spec)
         return QuantTier(quantize_kivi(keys, **ka), quantize_kivi(values, **va))
 
     def decode(self, q, start, rotated=False):

@@ -23,6 +23,20 @@ Quantized = Union[KIVIQuantized, NUQQuantized, SubspaceRows]
 RowFn = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class TierSpec:
+    """How a quantized tier of a tiered layer is coded: its width and group sizes."""
+
+    bits: int
+    key_group: int  # tokens per key group (per-channel keys) or channels per key group (per-token keys)
+    value_group: int  # channels per value group
+    key_bits: int | None = None  # the keys' width when it differs (None: bits)
+
+    @property
+    def kbits(self) -> int:
+        return self.bits if self.key_bits is None else self.key_bits
+
+
 @dataclass
 class PlainTier:
     """Full-precision keys `[batch, kv_heads, tokens, head_dim]` and values `[.., value_dim]`."""

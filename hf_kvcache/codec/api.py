@@ -10,7 +10,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from ..caches.base import CompressedCache
 from ..caches.tiered import KIVICache, TieredQuantCache
 from ..caches.uniform import UniformQuantCache
-from . import lossless, lossy
+from .lossless import decode_state, encode_state
+from .lossy import LossyOptions, decode_tensor, encode_tensor
 from .container import check_fingerprint, fingerprint, pack, unpack
 from .layers import LAYER_CODECS, dtype_name, dtype_of, layer_codec, layer_kv, set_dynamic_layer
 
@@ -57,7 +58,7 @@ def encode(cache: Cache, *, config: Any, mode: str = "lossy", **options: Any) ->
         raise ValueError("the cache is empty; encode a cache after a forward pass")
     tokens = cache.get_seq_length()
     if mode == "lossy":
-        opts = lossy.LossyOptions(**options)
+        opts = LossyOptions(**options)
         sections, metas, dims, dtype, batch = [], [], [], None, None
         for i, layer in enumerate(cache.layers):
             k, v = layer_kv(layer, i)
@@ -68,7 +69,7 @@ def encode(cache: Cache, *, config: Any, mode: str = "lossy", **options: Any) ->
             bins = opts.bins_for(i, len(cache.layers))
             meta = {"bins": bins}
             for name, x in (("k", k), ("v", v)):
-                body, meta[name] = lossy.encode_tensor(x, bins, opts)
+                body, meta[name] = encode_tensor(x, bins, opts)
                 sections.append((f"L{i}.{name}", body))
             metas.append(meta)
         fp = fingerprint(config, dtype_name(dtype))
@@ -94,7 +95,7 @@ def encode(cache: Cache, *, config: Any, mode: str = "lossy", **options: Any) ->
         else:
             dims.append((state.scalars["num_heads"], state.scalars["head_dim"], state.scalars["value_dim"]))
             dtype = dtype_of(state.scalars["dtype"])
-        body, meta = lossless.encode_state(state)
+        body, meta = encode_state(state)
         metas.append({"kind": codec.kind, "class": type(layer).__name__, **meta})
         sections.append((f"L{i}", body))
     fp = fingerprint(config, dtype_name(dtype))
@@ -125,12 +126,12 @@ def decode(data: bytes, config: Any, *, device: str | torch.device = "cpu",
     check_fingerprint(h["fingerprint"], config)
     device = torch.device(device)
     if h["mode"] == "lossy":
-        opts = lossy.LossyOptions(**{**h["options"], "bins": tuple(h["options"]["bins"])})
+        opts = LossyOptions(**{**h["options"], "bins": tuple(h["options"]["bins"])})
         dt = dtype or dtype_of(h["fingerprint"]["dtype"])
         cache = DynamicCache(config=config)
         for i, meta in enumerate(h["layers"]):
-            k = lossy.decode_tensor(blob.sections[f"L{i}.k"], meta["k"], opts, dt, device)
-            v = lossy.decode_tensor(blob.sections[f"L{i}.v"], meta["v"], opts, dt, device)
+            k = decode_tensor(blob.sections[f"L{i}.k"], meta["k"], opts, dt, device)
+            v = decode_tensor(blob.sections[f"L{i}.v"], meta["v"], opts, dt, device)
             set_dynamic_layer(cache.layers[i], k, v)
         return cache
     if h["mode"] != "lossless":
@@ -152,7 +153,7 @@ def decode(data: bytes, config: Any, *, device: str | torch.device = "cpu",
                 f"layer {i} was encoded as {meta['kind']!r} ({meta['class']}) but {h['cache_class']} builds a "
                 f"{type(layer).__name__} for this config"
             )
-        codec.restore(layer, lossless.decode_state(blob.sections[f"L{i}"], meta), device)
+        codec.restore(layer, decode_state(blob.sections[f"L{i}"], meta), device)
     if cache.get_seq_length() != h["tokens"]:
         raise ValueError(f"corrupt KV blob: rebuilt {cache.get_seq_length()} tokens, header says {h['tokens']}")
     return cache

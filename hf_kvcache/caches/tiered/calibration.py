@@ -1,0 +1,122 @@
+"""What a tiered layer chooses from the queries it sees: the rotation of keys / values, key clipping and the
+archive width (`TierCalibration`, a mixin of `TieredQuantLayer`), and the round trips those choices are scored on."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from ...quant.rotation import hadamard_rotation, is_power_of_two
+from ...calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
+from ...calibrate.recipe import choose_key_clipping
+
+
+class TierCalibration:
+    """The calibration half of `TieredQuantLayer` (see `layer.TieredQuantLayer`): methods only, the state lives on the
+    layer."""
+
+    def _rotation_candidates(self) -> tuple[str, ...]:
+        """The rotations this layer's head dims allow (a Hadamard rotation needs a power of two)."""
+        ok_k, ok_v = is_power_of_two(self.head_dim), is_power_of_two(self.value_dim)
+        return tuple(c for c in ROTATION_CANDIDATES
+                     if (ok_k or c not in ("keys", "both")) and (ok_v or c not in ("values", "both")))
+
+    def _set_rotation(self, rotation: str) -> None:
+        """The Hadamard rotations of keys and values (`quant.rotation.HadamardRotation`: signs and small Sylvester
+        factors, no matrix; one object per size and seed, shared by every layer)."""
+        rot_k, rot_v = rotation in ("keys", "both"), rotation in ("values", "both")
+        self.rot_k = hadamard_rotation(self.head_dim, 0, self.device) if rot_k else None
+        self.rot_v = hadamard_rotation(self.value_dim, 1, self.device) if rot_v else None
+
+    # ---- calibration ("auto" rotation) ---------------------------------------------------------------------------
+    def observe_queries(self, queries: torch.Tensor, scaling: float) -> None:
+        """The last queries of a forward, `[batch, heads, <= calibration_queries, head_dim]` (post-RoPE), from the
+        "hf_kvcache" attention while this layer calibrates."""
+        if self.calibrating:
+            q = queries.detach()
+            prev = self._calib_queries
+            if prev is not None and prev.shape[:2] == q.shape[:2]:  # consecutive forwards: consecutive positions
+                q = torch.cat([prev, q], dim=2)[:, :, -self.plan.calibration_queries :]
+            self._calib_queries, self._calib_scaling = q, float(scaling)
+
+    def _calibrate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Pick the rotation from `keys`/`values` (the held positions `[0, T)` the stored queries are the last of)."""
+        queries = self._calib_queries
+        if queries is None or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
+            self.recipe = LayerRecipe("none", {}, "no-queries")
+        else:
+            self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
+                                        self._rotation_candidates(), self._kivi_tiers())
+            self._choose_key_clipping(queries, keys, values)
+            self._widen_archive(queries, keys, values)
+        self._set_rotation(self.recipe.rotation)
+        self.calibrating, self.query_window, self._calib_queries = False, 0, None
+
+    def _clip_choice(self) -> bool:
+        """Whether calibration decides the key clipping (`clip_on="auto"` with a clip to apply)."""
+        p = self.plan
+        return p.clip_on == "auto" and (p.clip_search or p.clip_ratio != 1.0)
+
+    def clips(self, tensor: str) -> bool:
+        """Whether `tensor` ("keys" / "values") groups take clip_ratio / clip_search: `clip_on`, or with "auto"
+        values always and keys as the recipe says (unclipped until calibrated, or without queries)."""
+        on = self.plan.clip_on
+        if on == "auto":
+            return tensor == "values" or bool(self.recipe is not None and self.recipe.clip_keys)
+        return on in (tensor, "both")
+
+    def _choose_key_clipping(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`clip_on="auto"`: clip the key groups when that lowers the mean attention error of this layer's queries
+        over its KIVI tiers, under the chosen rotation, by more than `calibrate.recipe.KEY_CLIP_MARGIN` (recorded in
+        the recipe with both errors)."""
+        if not self._clip_choice():
+            return
+
+        def roundtrips(clip: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+            self.recipe.clip_keys = clip  # what `clips("keys")` reads while quantizing
+            return [self._roundtrip(keys, values, self.recipe.rotation, t) for t in self._kivi_tiers()]
+
+        clip, errors = choose_key_clipping(queries, keys, values, self._calib_scaling, roundtrips)
+        self.recipe.clip_keys = clip
+        self.recipe.errors.update(errors)
+
+    def _widen_archive(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`archive_error_target`: give this layer the narrowest KIVI archive width (archive_bits..warm_bits) whose
+        round trip under the chosen rotation keeps its queries' attention error within the target."""
+        p, base = self.plan, self.specs["arch"]
+        if p.archive_error_target is None or "arch" not in self._kivi_tiers():
+            return
+
+        def roundtrip_at(width: int) -> tuple[torch.Tensor, torch.Tensor]:
+            self.specs["arch"] = dataclasses.replace(base, bits=width)
+            return self._roundtrip(keys, values, self.recipe.rotation, "arch")
+
+        bits, errors = choose_archive_bits(queries, keys, values, self._calib_scaling, roundtrip_at, base.bits,
+                                           p.warm_bits, p.archive_error_target)
+        self.specs["arch"] = dataclasses.replace(base, bits=bits)
+        self.recipe.errors.update(errors)
+        self.recipe.archive_bits = bits if bits != base.bits else None
+
+    def _kivi_tiers(self) -> tuple[str, ...]:
+        """The tiers a rotation applies to (KIVI-quantized ones), each distinct spec once."""
+        p = self.plan
+        tiers = ("warm",) if p.warm_length else ()
+        if p.archive_quantizer == "kivi" and not (tiers and self.specs["warm"] == self.specs["arch"]):
+            tiers += ("arch",)
+        return tiers
+
+    def _roundtrip(self, keys: torch.Tensor, values: torch.Tensor, rotation: str, tier: str = "arch"):
+        """`keys`/`values` of positions `[0, T)` as `tier` ("warm" or "arch") would return them under `rotation`:
+        everything but the last `tail_length` (in whole archive groups) quantized at that tier's width, sinks and the
+        rest exact."""
+        self._set_rotation(rotation)
+        g = self.plan.archive_group
+        m = (keys.shape[2] - self.plan.tail_length) // g * g
+        k_out, v_out = keys.float().clone(), values.float().clone()
+        if m > 0:
+            q = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), tier)
+            k_out[:, :, :m], v_out[:, :, :m] = self._dequantize(q, 0)
+            n_sink = min(self.plan.sink_length, m)
+            k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
+        return k_out, v_out
