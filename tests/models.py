@@ -38,3 +38,13 @@ def eviction_llama(attention: str | None = None) -> LlamaForCausalLM:
     if attention is not None:
         model.set_attn_implementation(attention)
     return model
+
+
+def codec_llama(layers: int = 2, max_positions: int = 2048) -> LlamaForCausalLM:
+    """A random Llama (seed 0) of the codec / store / archive tests, in eval mode: hidden size 128 (4 query heads of
+    2 KV heads, head_dim 32), vocabulary 128, `layers` layers, `max_positions` positions; its config is
+    `model.config`."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=layers,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    return LlamaForCausalLM(config).eval()
