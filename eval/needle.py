@@ -12,7 +12,8 @@ filler (0 = right after the instruction, 1 = right before the question); the tri
     plot_grid(rows, "docs/needle/snapkv-20.png")
 
 `grid_trials` / `dump_grid_trials` give the same trials (token ids, each tagged with its `length`) to another
-environment (`eval/kvpress_passkey.py`), and `rows_from_results` turns per-trial results back into grid rows.
+environment (`benchmarks/peers/kvpress_passkey.py`), and `rows_from_results` turns per-trial results back into grid
+rows.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ def grid_trials(
 
 
 def dump_grid_trials(path: str, by_length: dict[int, list[PasskeyTrial]]) -> None:
-    """The grid's trials as JSON token ids, each with its `length`, for `eval/kvpress_passkey.py`."""
+    """The grid's trials as JSON token ids, each with its `length`, for `benchmarks/peers/kvpress_passkey.py`."""
     with open(path, "w") as f:
         json.dump([asdict(t) | {"length": n} for n, ts in by_length.items() for t in ts], f)
 

@@ -6,8 +6,8 @@
 
 Each side is a rows file and a selector (`#key=value[,key=value]`, every pair must match; the selector may be left out
 when the file holds one row) naming a row that carries `chunk_nll`, the summed nll of each chunk's scored tokens
-(`hf-kvcache bench` rows, `eval/kvpress_stream.py` rows). Both rows must come from the same token ids: their chunk
-counts must agree and, when both rows name their model / start / tokens, so must those.
+(`hf-kvcache bench` rows, `benchmarks/peers/kvpress_stream.py` rows). Both rows must come from the same token ids:
+their chunk counts must agree and, when both rows name their model / start / tokens, so must those.
 
 The ratio is `ppl(A) / ppl(B) = exp((NLL_A - NLL_B) / scored)`. Its interval resamples the chunks with replacement,
 the same chunks for both sides (paired), in blocks of `block` consecutive chunks (a cache's state carries from one

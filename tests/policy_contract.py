@@ -19,29 +19,21 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache, LlamaForCausalLM
 
 import hf_kvcache  # noqa: F401  (registers the cache names and the attention)
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.evict import EvictOptions
 from hf_kvcache.policy import POLICIES, AdaKV, EvictionPolicy, Merge, Pyramid, SharedHeads, policy_from_dict
+from models import eviction_llama
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
 
 
-def tiny_config() -> LlamaConfig:
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, num_attention_heads=H * G, num_key_value_heads=H, head_dim=D, hidden_size=64,
-        intermediate_size=128, vocab_size=97,
-    )
-
-
 def tiny_model() -> LlamaForCausalLM:
-    """A random tiny Llama (GQA, 2 KV heads of 2 query heads each) on the `"hf_kvcache"` attention."""
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config()).eval()
-    model.set_attn_implementation("hf_kvcache")
-    return model
+    """A random tiny Llama (`models.eviction_config`: GQA, 2 KV heads of 2 query heads each) on the `"hf_kvcache"`
+    attention."""
+    return eviction_llama("hf_kvcache")
 
 
 def _padded(seed: int, n: int = 30, pad: int = 7) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

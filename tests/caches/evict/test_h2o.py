@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 from transformers.masking_utils import create_causal_mask
 
 import hf_kvcache  # noqa: F401  (registers the cache names)
@@ -10,16 +10,11 @@ from attention_driver import drive
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.h2o import EvictOptions, H2OOptions
 from hf_kvcache.policy import POLICIES, AdaKV, H2OPolicy, HybridPolicy, SlotView, SnapKVPolicy
+from models import eviction_config as tiny_config
+from models import eviction_llama
 from policy_contract import check_crop_before_eviction
 
 B, H, D, LAYERS = 2, 2, 16, 2
-
-
-def tiny_config(**kw):
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=H, head_dim=D, hidden_size=64,
-        intermediate_size=128, vocab_size=97, **kw,
-    )
 
 
 def step(cache, n, mass=None, visible=None, seed=0):
@@ -253,8 +248,7 @@ def test_missing_attention_mass_raises():
 # ---- a tiny random Llama --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_config()).eval()
+    return eviction_llama()
 
 
 def test_plain_sdpa_model_gets_a_clear_error(tiny_model):

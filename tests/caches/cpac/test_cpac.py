@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import hf_kvcache
 from attention_driver import drive
@@ -14,15 +14,9 @@ from hf_kvcache import CPACCache
 from hf_kvcache.caches.cpac import BASE, DELTA, RAW, CPACOptions, decode_delta, encode_delta
 from hf_kvcache.caches.cpac.features import importance_weight, page_features, threshold_for_pressure
 from hf_kvcache.rope import KeyRotation
+from models import cache_config as tiny_config
 
 B, H, D, LAYERS = 2, 3, 64, 2
-
-
-def tiny_config(**kw):
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, num_attention_heads=6, num_key_value_heads=H, head_dim=D, hidden_size=6 * D,
-        vocab_size=128, **kw,
-    )
 
 
 def feed(cache, chunks, seed=0, mass=None):

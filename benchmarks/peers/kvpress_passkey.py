@@ -3,10 +3,10 @@
 kvpress pins transformers < 5.3, so this script runs in its own virtual environment and imports nothing from
 hf_kvcache (the trials come as token ids in a JSON file):
 
-    python -m venv /tmp/kvpress-venv && /tmp/kvpress-venv/bin/pip install torch==2.13.0 kvpress
+    python -m venv /tmp/kvpress-venv && /tmp/kvpress-venv/bin/pip install torch==2.13.0 kvpress==0.5.5
     hf-kvcache passkey --dump-trials /tmp/passkey_trials.json --context 1024 --trials 20
     MODEL=$(python -c "from hf_kvcache.eval.assets import model_dir; print(model_dir('smollm2-135m'))")
-    /tmp/kvpress-venv/bin/python eval/kvpress_passkey.py /tmp/passkey_trials.json --model $MODEL \\
+    /tmp/kvpress-venv/bin/python benchmarks/peers/kvpress_passkey.py /tmp/passkey_trials.json --model $MODEL \\
         --presses none streaming_llm observed_attention snapkv --compression-ratio 0.8 --mode question
 
 Same protocols as `hf_kvcache.eval.suites.passkey` (`--mode`):

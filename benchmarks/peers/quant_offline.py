@@ -14,7 +14,7 @@ re-applied. Codebooks and bases are fitted on the first `--calib` tokens of the 
 Bytes per element count every tensor (codes, scales, zero points/offsets, outlier indices and values, and the
 layer's codebooks/bases once), over the `--cut` quantized tokens of keys and values; fp16 is 2.0.
 
-    python -m hf_kvcache.eval.quant_offline /tmp/exp/cap_qwen2.5-coder-0.5b_1024.pt
+    python benchmarks/peers/quant_offline.py /tmp/exp/cap_qwen2.5-coder-0.5b_1024.pt
 """
 
 from __future__ import annotations
@@ -179,7 +179,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cut", type=int, default=960, help="tokens quantized (a multiple of 64)")
     ap.add_argument("--tail", type=int, default=64, help="queries evaluated (the last ones)")
     ap.add_argument("--calib", type=int, default=512, help="tokens the codebooks/bases are fitted on")
-    ap.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated subset of {list(METHODS)}")
+    methods_help = f"comma-separated subset of {list(METHODS)}".replace("%", "%%")  # argparse formats help with %
+    ap.add_argument("--methods", default=",".join(METHODS), help=methods_help)
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)

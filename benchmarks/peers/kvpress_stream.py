@@ -3,10 +3,10 @@
 kvpress 0.5.5 pins transformers < 5.3, so this runs in its own virtual environment and imports nothing from
 hf_kvcache; the token ids come from a file written in the main environment:
 
-    python eval/kvpress_stream.py --dump-ids /tmp/kvpress_ids.pt            # main env (needs hf_kvcache)
+    python benchmarks/peers/kvpress_stream.py --dump-ids /tmp/kvpress_ids.pt            # main env (needs hf_kvcache)
     python -m venv /tmp/kvpress-env && /tmp/kvpress-env/bin/pip install torch==2.13.0 kvpress==0.5.5
     MODEL=$(python -c "from hf_kvcache.eval.assets import model_dir; print(model_dir('smollm2-135m'))")
-    /tmp/kvpress-env/bin/python eval/kvpress_stream.py --ids /tmp/kvpress_ids.pt --model-dir $MODEL \\
+    /tmp/kvpress-env/bin/python benchmarks/peers/kvpress_stream.py --ids /tmp/kvpress_ids.pt --model-dir $MODEL \\
         --budgets ratio:0.2 fixed:410 --json /tmp/kvpress_stream.json
 
 Protocol (the same as `hf_kvcache.eval.perplexity.streaming_perplexity`): the ids ([1, N], Moby Dick 5000:7048 by

@@ -2,20 +2,12 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
-
 from hf_kvcache import UniformQuantCache
 from hf_kvcache.caches.uniform import UniformQuantOptions
+from models import cache_config as tiny_config
 from random_kv import stream_random
 
 B, H, D, LAYERS = 2, 3, 64, 2
-
-
-def tiny_config(**kw):
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, num_attention_heads=6, num_key_value_heads=H, head_dim=D, hidden_size=6 * D,
-        vocab_size=128, **kw,
-    )
 
 
 def fill(cache, chunks=(17, 1, 22)):

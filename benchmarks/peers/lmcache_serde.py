@@ -6,7 +6,7 @@ LMCache pins numpy<=2.2.6 and pulls CUDA-only packages (cupy-cuda13x, cuda-pytho
 in a separate venv; the three steps hand tensors over through files:
 
     # 1. our env: dump the prefix KV (fp32, as the model keeps it) and the token ids
-    OMP_NUM_THREADS=1 python eval/lmcache_serde.py dump --out /tmp/lmc/kv.pt
+    OMP_NUM_THREADS=1 python benchmarks/peers/lmcache_serde.py dump --out /tmp/lmc/kv.pt
 
     # 2. LMCache venv (CPU torch, lmcache without its CUDA deps):
     python -m venv /tmp/lmcache-env
@@ -15,12 +15,12 @@ in a separate venv; the three steps hand tensors over through files:
     /tmp/lmcache-env/bin/pip install "numpy<=2.2.6" numba "transformers>=5.4" nvtx msgspec pyyaml psutil \\
         py-cpuinfo sortedcontainers aiofile aiofiles prometheus_client pyzmq safetensors cachetools requests \\
         aiohttp cryptography
-    OMP_NUM_THREADS=1 /tmp/lmcache-env/bin/python eval/lmcache_serde.py serde --kv /tmp/lmc/kv.pt \\
+    OMP_NUM_THREADS=1 /tmp/lmcache-env/bin/python benchmarks/peers/lmcache_serde.py serde --kv /tmp/lmc/kv.pt \\
         --model-config ~/.cache/hf-kvcache/models/<smollm2 folder> --out /tmp/lmc/decoded.pt
 
     # 3. our env: perplexity of the reference and of each decoded KV, rows to docs/rows/lmcache_smollm2-135m.json
-    OMP_NUM_THREADS=1 python eval/lmcache_serde.py score --kv /tmp/lmc/kv.pt --decoded /tmp/lmc/decoded.pt \\
-        --json docs/rows/lmcache_smollm2-135m.json
+    OMP_NUM_THREADS=1 python benchmarks/peers/lmcache_serde.py score --kv /tmp/lmc/kv.pt \\
+        --decoded /tmp/lmc/decoded.pt --json docs/rows/lmcache_smollm2-135m.json
 
 `serde` uses LMCache v1's own `CacheGenSerializer` / `CacheGenDeserializer` (lmcache.v1.storage_backend.naive_serde,
 what `remote_serde: cachegen` selects), with the CacheGenConfig that `CacheGenConfig.from_model_name` derives from

@@ -2,24 +2,16 @@ import json
 
 import pytest
 import torch
-from transformers import LlamaConfig
-
 import hf_kvcache.caches.archive as archive_mod
 from hf_kvcache import KIVICache, TieredQuantCache, build_cache, memory_stats
 from hf_kvcache.caches.tiered import KIVIOptions, TieredQuantLayer, TieredQuantOptions
+from models import cache_config as tiny_config
 from random_kv import stream_random
 
 B, H, D, LAYERS = 2, 3, 64, 2
 # small tiers; one group size everywhere, no sinks, an exact (model dtype) tail: easy to count
 SMALL = dict(tail_length=8, warm_length=32, group_size=16, archive_group_size=16, sink_length=0, tail_dtype=None,
              rotation="none", clip_search=False)
-
-
-def tiny_config(**kw):
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, num_attention_heads=6, num_key_value_heads=H, head_dim=D, hidden_size=6 * D,
-        vocab_size=128, **kw,
-    )
 
 
 def feed(cache, chunks, seed=0):

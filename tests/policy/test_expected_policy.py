@@ -4,13 +4,14 @@ left-padded batch, eviction that frees storage, and beam search."""
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_kvcache  # noqa: F401  (registers the attention and the cache names)
 from hf_kvcache import H2OCache
 from hf_kvcache.policy import POLICIES, SlotView
 from hf_kvcache.policy.expected import query_statistics
 from hf_kvcache.rope import KeyRotation
+from models import eviction_config as tiny_config
+from models import eviction_llama
 
 D = 16
 E = torch.eye(D)
@@ -145,17 +146,9 @@ def test_moving_queries_by_rope_needs_the_config():
 B, H, G = 2, 2, 2
 
 
-def tiny_config():
-    return LlamaConfig(num_hidden_layers=2, num_attention_heads=H * G, num_key_value_heads=H, head_dim=D,
-                       hidden_size=64, intermediate_size=128, vocab_size=97)
-
-
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(tiny_config()).eval()
-    model.set_attn_implementation("hf_kvcache")
-    return model
+    return eviction_llama("hf_kvcache")
 
 
 def test_left_padded_batch_evicts_padding_first_and_frees_storage(tiny_model):

@@ -4,12 +4,13 @@ import math
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers the cache names and the attention)
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.h2o import H2OOptions
 from hf_kvcache.caches.evict.merge import fold_evicted
+from models import eviction_llama
 
 
 def _attend(q, k, v, log_weight, held):
@@ -95,10 +96,7 @@ def test_bad_merge_options(options, match):
 
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                         hidden_size=64, intermediate_size=128, vocab_size=97)
-    return LlamaForCausalLM(config).eval()
+    return eviction_llama()
 
 
 @pytest.mark.parametrize("padded", [False, True])

@@ -3,7 +3,7 @@ eviction + quantization (quant_bits), and the budget errors."""
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
@@ -20,16 +20,11 @@ from hf_kvcache.caches.base import CompressedLayer
 from hf_kvcache.policy.attention import window_attention, window_logits
 from hf_kvcache.quant.kivi import KIVIQuantized
 from hf_kvcache.quant.token import TokenQuant
+from models import eviction_config as tiny_config
+from models import eviction_llama
 from policy_contract import check_decode_equals_dense_over_kept
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
-
-
-def tiny_config(head_dim=D):
-    return LlamaConfig(
-        num_hidden_layers=LAYERS, num_attention_heads=H * G, num_key_value_heads=H, head_dim=head_dim, hidden_size=64,
-        intermediate_size=128, vocab_size=97,
-    )
 
 
 def kept(cache, layer=0):
@@ -319,8 +314,7 @@ def test_prerope_keys_need_the_config_or_token_keys():
 # ---- a tiny random Llama: batch, left padding, decode-time eviction ---------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny_model():
-    torch.manual_seed(0)
-    return LlamaForCausalLM(tiny_config()).eval()
+    return eviction_llama()
 
 
 @pytest.mark.parametrize(

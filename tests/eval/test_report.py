@@ -8,7 +8,7 @@ import pytest
 from hf_kvcache.cli import main
 from hf_kvcache.eval.report import RegionSpec, find_regions, render, render_page
 
-ROOT = Path(__file__).parent.parent
+ROOT = Path(__file__).parents[2]
 
 ROWS = [
     {"suite": "perplexity", "cache": "dynamic", "model": "m", "tokens": 64, "perplexity": 10.0, "delta_pct": 0.0,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from hf_kvcache import codec
 from hf_kvcache.store import (CostModel, DiskBackend, MemoryBackend, PrefixStore, RadixTree, RedisBackend,
                               find_redis_server, local_redis_server)
+from models import codec_llama
 
 
 # ---- radix tree ---------------------------------------------------------------------------------------------------
@@ -41,10 +42,8 @@ def test_radix_tree_shared_prefixes():
 # ---- store over a tiny random model ------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
-    return LlamaForCausalLM(cfg).eval(), cfg
+    model = codec_llama(max_positions=2048)
+    return model, model.config
 
 
 def _prefill(model, ids):

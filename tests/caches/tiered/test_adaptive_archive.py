@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
 
 import hf_kvcache  # noqa: F401  (registers the attention implementation)
 from hf_kvcache import TieredQuantCache, codec
@@ -16,6 +16,7 @@ from hf_kvcache.caches.base import held_bytes
 from hf_kvcache.caches.tiers import SegmentedTier, format_of
 from hf_kvcache.quant.kvquant import apply_rope, rope_cos_sin
 from hf_kvcache.quant.subspace import SubspaceRows
+from models import codec_llama
 
 B, H, D, THETA = 2, 2, 64, 10000.0
 CFG = LlamaConfig(vocab_size=64, hidden_size=H * D * 2, num_hidden_layers=1, num_attention_heads=4,
@@ -173,10 +174,8 @@ def test_adaptive_boundary_off_the_group_grid_switches_at_the_next_group():
 
 @pytest.fixture(scope="module")
 def tiny_llama():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    return LlamaForCausalLM(cfg).eval(), cfg
+    model = codec_llama(max_positions=1024)
+    return model, model.config
 
 
 @pytest.mark.parametrize("opts", [

@@ -9,7 +9,7 @@ import struct
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 import hf_kvcache  # noqa: F401  (registers the attention implementation)
 from hf_kvcache import codec
@@ -17,16 +17,15 @@ from hf_kvcache.caches import CPACCache, H2OCache, KIVICache, TieredQuantCache, 
 from hf_kvcache.codec.container import MAGIC
 from hf_kvcache.paged import PagedCache
 from hf_kvcache.codec.layers import set_dynamic_layer
+from models import codec_llama
 
 TOKENS = 300
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=128, num_hidden_layers=3,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
-    model = LlamaForCausalLM(cfg).eval()
+    model = codec_llama(layers=3, max_positions=1024)
+    cfg = model.config
     ids = torch.randint(0, 128, (2, TOKENS), generator=torch.Generator().manual_seed(1))
     return model, cfg, ids
 
