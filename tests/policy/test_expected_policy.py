@@ -122,8 +122,8 @@ def test_mass_share_blends_in_the_attention_received():
     "options,match",
     [
         (dict(policy="tova", future=8), "future applies to the expected policy"),
-        (dict(policy="knorm", value_norm=True), "value_norm applies to the h2o / tova / snapkv / hybrid / expected "
-                                                "policies, not 'knorm'"),
+        (dict(policy="knorm", value_norm=True), "value_norm applies to the h2o / tova / snapkv / hybrid / "
+                                                "expected / reconstruct policies, not 'knorm'"),
         (dict(policy="expected", future=-1), "future must be a non-negative integer"),
         (dict(policy="expected", value_norm="yes"), "value_norm must be True or False"),
         (dict(policy="expected", pool=3), "pool applies to the snapkv policy"),

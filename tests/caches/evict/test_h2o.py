@@ -188,7 +188,8 @@ def test_policies(policy, options, expected):
 
 
 def test_all_policies_registered_and_overridable():
-    assert set(POLICIES) == {"h2o", "tova", "snapkv", "expected", "knorm", "recent", "sinks", "strided", "hybrid"}
+    assert set(POLICIES) == {"h2o", "tova", "snapkv", "expected", "knorm", "recent", "sinks", "strided", "hybrid",
+                             "reconstruct"}
 
     class Odd(POLICIES["recent"]):
         def priority(self, view: SlotView, budget: int):
