@@ -73,10 +73,10 @@ def streaming_perplexity(
         logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float()
         preds = logits[:-1] if last_logits is None else torch.cat([last_logits, logits[:-1]])
         targets = chunk[0, 1:] if last_logits is None else chunk[0]
-        nll = torch.nn.functional.cross_entropy(preds, targets, reduction="none")
-        if nll_block is None:
-            chunk_nll.append(nll.sum().item())
+        if nll_block is None:  # one fused sum per chunk (a sum of the per-token losses rounds differently)
+            chunk_nll.append(torch.nn.functional.cross_entropy(preds, targets, reduction="sum").item())
         else:  # target positions first..start+len-1, summed into the blocks they fall in
+            nll = torch.nn.functional.cross_entropy(preds, targets, reduction="none")
             first = start + chunk.shape[1] - targets.numel()
             block_of = torch.arange(first, first + targets.numel()) // nll_block
             sums = torch.zeros(int(block_of[-1]) + 1, dtype=torch.float64).index_add_(0, block_of, nll.double())
