@@ -10,6 +10,7 @@ schema, a ratio / perplexity Pareto PNG.
     hf-kvcache compare --suite append --tokens 512 4096     # per-step append cost at each cache size
     hf-kvcache compare --suite passkey --caches dynamic h2o --budgets 0.2 0.5
     hf-kvcache compare --suite ruler --tokens 4096 8192 --task-samples 8 --budgets 0.5 0.25 --json rows.json
+    hf-kvcache compare --suite long --start 150000 --tokens 8192 16384 --loop plain --json rows.json  # long ppl
 
 Every suite (`hf_kvcache.eval.suites`) returns rows of one schema (`hf_kvcache.eval.rows`: `suite`, `cache`,
 `model`, `tokens` and its metric columns), printed by one formatter and written by `--json`; rows that carry a ratio

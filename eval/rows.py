@@ -24,6 +24,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "tokens": ("{}", "tokens"),
     "perplexity": ("{:.3f}", "ppl"),
     "delta_pct": ("{:+.2f}%", "delta"),
+    "low_pct": ("{:+.2f}%", "low"),
+    "high_pct": ("{:+.2f}%", "high"),
     "bytes": ("{:,}", "bytes held"),
     "ratio": ("{:.2f}x", "vs fp16"),
     "answer_ratio": ("{:.2f}x", "vs fp16 (answered)"),

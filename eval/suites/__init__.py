@@ -25,6 +25,8 @@ SUITES: dict[str, str] = {
     "shared-prefix": "shared_prefix",
     "needle": "needle",
     "ruler": "ruler",
+    "long": "long",
+    "long-perplexity": "long",  # the suite name long-context rows carry (`eval/long_context.py`)
 }
 
 

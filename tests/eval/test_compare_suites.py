@@ -59,6 +59,8 @@ def test_presets_are_valid_specs_with_distinct_labels():
     (["--suite", "perplexity"], "give at least one cache"),
     (["--suite", "decode", "--decode-steps", "0", "--caches", "dynamic"], "times at least one step"),
     (["--suite", "append", "--tokens", "0"], "cached lengths >= 1"),
+    (["--suite", "long", "--caches", "tiered", "--tokens", "128"], "add it to --caches"),
+    (["--suite", "long", "--tokens", "100", "--chunk", "64"], "multiple of --chunk 64"),
 ])
 def test_bad_suite_input_is_a_clear_error_before_any_run(capsys, argv, message):
     assert main(["compare", *argv]) == 2
@@ -73,6 +75,24 @@ def test_from_json_rejects_what_compare_did_not_write(capsys, tmp_path):
 
 
 # ---- small real runs -------------------------------------------------------------------------------------------------
+def test_long_suite_one_stream_per_cache_rows_as_they_come_and_a_rerun_measures_nothing(capsys, tmp_path):
+    path = tmp_path / "long.json"
+    argv = ["compare", "--suite", "long", "--tokens", "128", "256", "--chunk", "64", "--loop", "plain",
+            "--caches", "dynamic", "tiered_long", "--json", str(path)]
+    assert main(argv) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["cache"], r["tokens"]) for r in rows] == [("dynamic", 128), ("tiered_long", 128), ("dynamic", 256),
+                                                          ("tiered_long", 256)]
+    assert all(r["loop"] == "plain" and len(r["chunk_nll"]) == r["tokens"] // 64 for r in rows)
+    assert rows[0]["delta_pct"] == 0 and rows[3]["low_pct"] <= rows[3]["delta_pct"] <= rows[3]["high_pct"]
+    assert rows[3]["ratio"] > rows[1]["ratio"] > 1  # the tiers fill as the stream grows
+    capsys.readouterr()
+    assert main(argv) == 0  # every row is in the file: nothing is streamed again
+    assert " .. " not in capsys.readouterr().out and json.loads(path.read_text()) == rows
+    assert main(["compare", "--from-json", str(path)]) == 0
+    assert "tiered_long" in capsys.readouterr().out
+
+
 def test_append_suite_rows_and_json_round_trip(capsys, tmp_path):
     """No model: random keys into a tiered and a uniform cache; only tiered layers report the storing part."""
     path = tmp_path / "append.json"

@@ -1,0 +1,39 @@
+"""`compare --suite long`: streaming perplexity at several lengths, one stream per cache (`eval/long_context.py`).
+
+Each cache streams `max(--tokens)` tokens of `--text` from `--start` in `--chunk`-token forwards (default 512) through
+the loop `--loop` names (`attached`, as `generate` runs, or `plain`, a user's own `model(ids, past_key_values=cache)`
+loop); the rows at shorter lengths are the same stream's first tokens. Rows: the long-context rows (`perplexity`,
+`ratio`, `bytes`, `chunk_nll` per 64 positions, `loop`, `start`, `chunk`) with `delta_pct` against the `dynamic` row of
+the same tokens and its 95 % paired block-bootstrap interval (`low_pct`, `high_pct`). With `--json` each row is
+written as soon as it is measured, and a rerun with the same file measures only the rows it lacks.
+"""
+
+from __future__ import annotations
+
+from ..bench import parse_specs
+from ..long_context import BASELINE, LongRun, compare_to_baseline
+from ..long_context import run as run_streams
+from ..rows import Row
+from . import SuiteOptions
+
+DEFAULT_CACHES = [BASELINE, "tiered", "tiered_long"]
+DEFAULT_LENGTHS = [8192]
+NLL_BLOCK = 64  # positions per nll unit of the paired interval
+
+
+def run(opts: SuiteOptions) -> list[Row]:
+    """The rows of this model's window, `dynamic` first (it runs first when listed)."""
+    specs = parse_specs(opts.caches or DEFAULT_CACHES)
+    if BASELINE not in [s.label for s in specs]:
+        raise ValueError(f"--suite long compares against {BASELINE!r}: add it to --caches")
+    window = LongRun(opts.model, opts.start, list(opts.tokens or DEFAULT_LENGTHS), opts.text, opts.chunk or 512,
+                     NLL_BLOCK, [opts.loop])
+    rows = run_streams(specs, window, opts.json)
+    mine = [r for r in rows if (r["model"], r["start"], r["text"]) == (opts.model, opts.start, opts.text)
+            and r["tokens"] in window.lengths and r["loop"] in (opts.loop, "plain")]
+    return sorted(compare_to_baseline(mine), key=lambda r: (r["tokens"], r["cache"] != BASELINE))
+
+
+def table_rows(rows: list[Row]) -> list[Row]:
+    """What `compare --from-json` prints for a file of this suite: the rows with their deltas."""
+    return compare_to_baseline(rows)
