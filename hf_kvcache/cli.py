@@ -1,7 +1,8 @@
 """`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto,
 paired, report.
 
-`compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey`);
+`compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey|
+shared-prefix|needle|ruler|long`);
 `bench` and `passkey` are two of its suites under their older names and options."""
 
 from __future__ import annotations
