@@ -20,7 +20,6 @@ interval of each cache against the dynamic row of the same tokens).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -36,6 +35,8 @@ from .assets import load_model, load_text, load_tokens
 from .bench import LOOPS, CacheSpec, parse_specs
 from .paired import chunk_tokens, paired_ratio
 from .perplexity import streaming_perplexity
+from .rows import read_rows as rows_of
+from .rows import write_json
 
 SUITE = "long-perplexity"
 BASELINE = "dynamic"
@@ -82,20 +83,8 @@ def row_key(row: dict) -> tuple:
 
 
 def read_rows(path: str | None) -> list[dict]:
-    if not path or not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return json.load(f)
-
-
-def write_rows(path: str | None, rows: list[dict]) -> None:
-    """All rows, written whole through a temporary file (a cut-off run never leaves half a file)."""
-    if not path:
-        return
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(rows, f, indent=1)
-    os.replace(tmp, path)
+    """The rows of `path` (`rows.read_rows`); none when there is no such file yet."""
+    return rows_of(path) if path and os.path.exists(path) else []
 
 
 def _cache_facts(cache) -> dict:
@@ -155,7 +144,7 @@ def run(specs: list[CacheSpec], opts: LongRun, json_path: str | None, command: s
             return
         rows.append(row)
         done.add(row_key(row))
-        write_rows(json_path, rows)
+        write_json(json_path, rows)
         print(f"  .. {row['cache']} [{row['loop']}] {row['tokens']} tokens: ppl {row['perplexity']:.3f}, "
               f"{row['ratio']:.2f}x, {row['seconds']:.0f} s", flush=True)
 

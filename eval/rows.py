@@ -10,6 +10,7 @@ dicts (per-trial answers, per-tier bytes, options) go to the JSON only.
 from __future__ import annotations
 
 import json
+import os
 from typing import Any
 
 Row = dict[str, Any]
@@ -92,10 +93,13 @@ def make_row(suite: str, cache: str, model: str, tokens: int, **metrics: Any) ->
 
 
 def write_json(path: str | None, data) -> None:
-    """Write `data` (rows, a report) as indented JSON to `path`; nothing when `path` is None."""
+    """Write `data` (rows, a report) as indented JSON to `path`, whole, through a temporary file (a run cut off while
+    writing never leaves half a file); nothing when `path` is None."""
     if path:
-        with open(path, "w") as f:
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             json.dump(data, f, indent=2, default=str)
+        os.replace(tmp, path)
 
 
 def read_rows(path: str) -> list[Row]:

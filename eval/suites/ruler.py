@@ -34,7 +34,7 @@ from collections import defaultdict
 from ..assets import load_model, load_plays, load_text
 from ..bench import CacheSpec, parse_specs
 from ..paired import paired_difference
-from ..rows import Row, make_row
+from ..rows import Row, make_row, write_json
 from ..ruler_tasks import TASKS, RulerSample, TaskGenerator, score
 from . import SuiteOptions, check_mode
 from .passkey import answer, with_budgets
@@ -102,11 +102,7 @@ class SampleLog:
     def add(self, row: Row) -> None:
         self.rows.append(row)
         self.done.add(tuple(row.get(k) for k in SAMPLE_KEYS))
-        if self.path:
-            tmp = f"{self.path}.tmp"
-            with open(tmp, "w") as f:
-                json.dump(self.rows, f, indent=1)
-            os.replace(tmp, self.path)
+        write_json(self.path, self.rows)
 
 
 def run(opts: SuiteOptions) -> list[Row]:
