@@ -3,9 +3,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -13,6 +13,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
 from hf_kvcache.options import parse_options_json
+from hf_kvcache.attention.plain import unserved
 from hf_kvcache.registry import attached, build_cache, cache_names
 
 from .assets import load_model, load_text, load_tokens
@@ -47,7 +48,22 @@ class CacheSpec:
         return build_cache(self.name, model.config, **self.options)
 
 
-LOOPS = ("attached", "plain")  # how `run_benchmark` drives the model: inside `attached`, or a user's plain loop
+# How `run_benchmark` drives the model: inside `attached` (as generate does); a user's plain loop
+# `model(ids, past_key_values=cache)` (on an sdpa model its calls that ask for queries / mass are served by the
+# "hf_kvcache" attention: `hf_kvcache.attention.plain`); or that loop unserved (`serve_plain_loops(False)`: what an
+# eager model's loop gives, and what "plain" measured before the service existed).
+LOOPS = ("attached", "plain", "unserved")
+
+
+def driving(loop: str, model, cache) -> contextlib.AbstractContextManager:
+    """The context a stream of `loop` (one of `LOOPS`) runs `model` with `cache` in."""
+    if loop == "attached":
+        return attached(model, cache)
+    if loop == "unserved":
+        return unserved()
+    if loop == "plain":
+        return contextlib.nullcontext()
+    raise ValueError(f"unknown loop {loop!r}; choose among {list(LOOPS)}")
 
 
 # transformers' own QuantizedCache, as a peer to compare with: name -> backend
@@ -127,13 +143,14 @@ def run_benchmark(
     chunk: int = 32,
     decode_steps: int = 16,
     progress: bool = True,
-    attach: bool = True,
+    loop: str = "attached",
 ) -> list[dict]:
     """One row per spec; the first spec is the baseline for `delta_pct`.
 
-    `attach`: run each cache inside `attached(model, cache)`, as `generate` does (the "hf_kvcache" attention, which
-    reports queries to the cache and reads its codes in place); False: the user's own plain loop,
-    `model(ids, past_key_values=cache)` with the model's own attention. Rows carry `loop` ("attached" / "plain")."""
+    `loop`: one of `LOOPS`: "attached" runs each cache inside `attached(model, cache)`, as `generate` does (the
+    "hf_kvcache" attention, which reports queries to the cache and reads its codes in place); "plain" the user's own
+    loop `model(ids, past_key_values=cache)` with the model's own attention (served where a layer asks); "unserved"
+    that loop with nothing reported to the cache. Rows carry `loop`."""
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name)
     ids = load_tokens(tokenizer, load_text(text), start, tokens + decode_steps)
@@ -144,9 +161,9 @@ def run_benchmark(
     for spec in specs:
         cache = spec.build(model)
         # as generate runs it: the attention the cache needs (mass, queries for calibration, fused reads); or plain
-        with attached(model, cache) if attach else nullcontext():
+        with driving(loop, model, cache):
             r = streaming_perplexity(model, stream, cache, chunk, progress=progress)
-            row = {"cache": spec.label, "loop": LOOPS[0] if attach else LOOPS[1], **r.to_dict()}
+            row = {"cache": spec.label, "loop": loop, **r.to_dict()}
             if hasattr(cache, "quality_metrics"):  # the online proxy, measured before the decode steps
                 row["proxy"] = cache.quality_metrics()["proxy"]
             stats = cache.memory_stats() if hasattr(cache, "memory_stats") else {}

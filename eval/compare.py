@@ -95,9 +95,11 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--png", default=None, help="write the ratio / perplexity-delta Pareto plot to this .png file")
     p.add_argument("--title", default=None, help="plot title (default: model, text and token window)")
-    p.add_argument("--loop", choices=["attached", "plain"], default="attached",
-                   help="perplexity suites: run inside hf_kvcache.attached as generate does (default), or plain: "
-                        "model(ids, past_key_values=cache) with the model's own attention, as a user's loop does")
+    p.add_argument("--loop", choices=["attached", "plain", "unserved"], default="attached",
+                   help="perplexity suites: run inside hf_kvcache.attached as generate does (default); plain: "
+                        "model(ids, past_key_values=cache) with the model's own attention, as a user's loop does "
+                        "(sdpa calls that a layer asks queries / mass of are served); unserved: that loop with "
+                        "nothing reported to the cache (an eager model's loop)")
     p.add_argument("--from-json", default=None, help="print the table of rows an earlier --json wrote; run nothing")
     g = p.add_argument_group("cpac")
     g.add_argument("--sections", nargs="+", default=None, help="pressure similarity curve timing (default: all)")

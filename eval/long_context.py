@@ -12,8 +12,10 @@ length) is written as soon as the stream reaches the length, and a rerun skips t
 
 Loops: "attached" runs the model inside `hf_kvcache.attached(model, cache)`, as `generate` does (the "hf_kvcache"
 attention: queries reported to the cache, codes read in place); "plain" is a user's own loop,
-`model(ids, past_key_values=cache)` with the model's own attention. A cache that is not ours (`dynamic`) runs once,
-plain. `chunk_nll` holds the summed nll of every `nll_block` positions (the units `table` resamples for the paired
+`model(ids, past_key_values=cache)` with the model's own attention (on an sdpa model the calls of a layer that asks
+for queries or mass are served by the "hf_kvcache" attention, `hf_kvcache.attention.plain`); "unserved" is that loop
+with nothing reported to the cache (an eager model's loop; what "plain" measured before the service existed). A cache
+that is not ours (`dynamic`) runs once, plain. `chunk_nll` holds the summed nll of every `nll_block` positions (the units `table` resamples for the paired
 interval of each cache against the dynamic row of the same tokens).
 """
 
@@ -24,15 +26,12 @@ import os
 import shlex
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
-from hf_kvcache.registry import attached
-
 from .assets import load_model, load_text, load_tokens
-from .bench import LOOPS, CacheSpec, parse_specs
+from .bench import LOOPS, CacheSpec, driving, parse_specs
 from .paired import chunk_tokens, paired_ratio
 from .perplexity import streaming_perplexity
 from .rows import read_rows as rows_of
@@ -117,7 +116,7 @@ def stream_rows(model, ids: torch.Tensor, spec: CacheSpec, loop: str, run: LongR
               "bytes": stats["bytes"], "fp16_bytes": stats["fp16_bytes"], "ratio": stats["ratio"],
               "seconds": time.perf_counter() - t0, "chunk_nll": blocks, **_cache_facts(cache)})
 
-    with attached(model, cache) if loop == "attached" else nullcontext():
+    with driving(loop, model, cache):
         streaming_perplexity(model, ids, cache, run.chunk, progress=False, on_chunk=at_chunk,
                              nll_block=run.nll_block)
 

@@ -18,6 +18,7 @@ from .paged import PagedCache
 from .registry import attached, build_cache, cache_names, fixed, install, preset, register_cache
 from .attention import register as _register_attention
 from .attention import register_fused_kernel as _register_fused_kernel
+from .attention import serve_plain_loops
 
 __version__ = "0.1.0"
 
@@ -33,6 +34,7 @@ register_cache("h2o", H2OCache)
 register_cache("paged_quant", PagedCache)  # "paged" is transformers' (continuous batching)
 _register_attention()  # attn_implementation="hf_kvcache"
 _register_fused_kernel()  # ... which reads compressed segments directly where a layer exposes them
+serve_plain_loops()  # sdpa models in a user's own loop: layers that ask for queries / mass are served too
 install()
 
 __all__ = [
@@ -50,4 +52,5 @@ __all__ = [
     "build_cache",
     "cache_names",
     "register_cache",
+    "serve_plain_loops",
 ]

@@ -198,8 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help='specs: name, name:{json}, or label=name:{json}')
     p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed after the stream")
     p.add_argument("--json", default=None, help="also write the rows to this file")
-    p.add_argument("--loop", choices=["attached", "plain"], default="attached",
-                   help="attached: as generate runs (default); plain: model(ids, past_key_values=cache), a user's loop")
+    p.add_argument("--loop", choices=["attached", "plain", "unserved"], default="attached",
+                   help="attached: as generate runs (default); plain: model(ids, past_key_values=cache), a user's loop; "
+                        "unserved: that loop with nothing reported to the cache")
     p.set_defaults(func=_cmd_bench)
 
     from hf_kvcache.eval.compare import add_arguments as _compare_arguments

@@ -78,7 +78,7 @@ class SuiteOptions:
     task_samples: int | None = None  # ruler: samples per task and length
     resume: bool = False  # ruler: keep the sample rows already in `json`, run the others
     json: str | None = None  # the rows file (ruler writes its sample rows there as they come)
-    loop: str = "attached"  # perplexity suites: "attached" (as generate runs) or "plain" (model(ids, past_key_values=cache))
+    loop: str = "attached"  # perplexity suites: one of `bench.LOOPS` ("attached" as generate runs, "plain", "unserved")
 
     def one_length(self, default: int) -> int:
         """The single `tokens` value of a suite that takes one (its default when none is given)."""

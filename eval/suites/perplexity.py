@@ -5,7 +5,8 @@ QuantizedCache at 2 and 4 bits) and `ablations` (the tiered defaults with one th
 caches after a preset's. Rows: `perplexity`, `delta_pct` (vs the first cache), `bytes`, `fp16_bytes`, `ratio`,
 `seconds`, `tokens_per_s` (streaming), `decode_tokens_per_s` (after the stream, unless --decode-steps 0), and where
 the cache reports them `proxy`, `tiers` (bytes and tokens per tier) and `archive_switches`. `--loop plain` drives the
-model as a user's own loop does (`model(ids, past_key_values=cache)`, no `attached`); the default is `attached`.
+model as a user's own loop does (`model(ids, past_key_values=cache)`, no `attached`), `--loop unserved` as that loop
+does with nothing reported to the cache; the default is `attached`.
 """
 
 from __future__ import annotations
@@ -66,5 +67,5 @@ def run(opts: SuiteOptions) -> list[Row]:
     tokens = opts.one_length(DEFAULT_TOKENS[opts.suite])
     steps = 16 if opts.decode_steps is None else opts.decode_steps
     rows = run_benchmark(specs, opts.model, opts.text, opts.start, tokens, opts.chunk or 32, steps,
-                         progress=opts.progress, attach=opts.loop == "attached")
+                         progress=opts.progress, loop=opts.loop)
     return [make_row(opts.suite, r.pop("cache"), opts.model, r.pop("tokens"), **r) for r in rows]

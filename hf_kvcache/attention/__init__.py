@@ -32,6 +32,10 @@ A fused dequantize+attention kernel (Triton on CUDA, blockwise torch on CPU) plu
 first=True)`: its `supports(call)` looks at `call.layer` (e.g. a layer exposing a compressed view of its storage) and
 the device, and its `__call__` returns `(output [batch, q_len, heads, head_dim], mass or None)`, mass only when
 `call.want_mass`. The model keeps calling the same `"hf_kvcache"` function.
+
+A user's own loop on an sdpa model (`model(ids, past_key_values=cache)`, no `attached`) is served too: importing
+`hf_kvcache` wraps transformers' `"sdpa"` entry so that a call whose layer asks for queries, mass or masks goes to
+this function (`attention.plain`); every other call stays transformers' own.
 """
 
 from .function import NAME, hf_kvcache_attention, prepare, register, unsupported, use_for_cache
@@ -39,11 +43,12 @@ from .fused import FusedCompressedKernel
 from .fused import register as register_fused_kernel
 from .kernels import KERNELS, QUERY_BLOCK, AttentionCall, BlockwiseTorchKernel, Kernel, TorchSDPAKernel, register_kernel
 from .masks import mask_as_bool, visible_keys
+from .plain import serve_plain_loops, serving
 from .request import AttentionRequest, FusedView, hand_over, pending_requests, request_for
 
 __all__ = [
     "NAME", "KERNELS", "QUERY_BLOCK", "AttentionCall", "AttentionRequest", "BlockwiseTorchKernel", "FusedCompressedKernel",
     "FusedView", "Kernel", "TorchSDPAKernel", "hand_over", "hf_kvcache_attention", "mask_as_bool", "pending_requests",
-    "prepare", "register", "register_fused_kernel", "register_kernel", "request_for", "unsupported", "use_for_cache",
-    "visible_keys",
+    "prepare", "register", "register_fused_kernel", "register_kernel", "request_for", "serve_plain_loops", "serving",
+    "unsupported", "use_for_cache", "visible_keys",
 ]

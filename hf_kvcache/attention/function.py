@@ -100,12 +100,12 @@ def hf_kvcache_attention(
         raise RuntimeError("no hf_kvcache attention kernel supports this call")
     window = 0 if call.layer is None else int(call.layer.query_window or 0)
     if window > 0:  # the last queries: policies that score by a recent window, layers calibrating their recipe
-        call.layer.observe_queries(query[:, :, -window:], call.scaling)
+        call.layer.observe_queries(query[:, :, -window:].detach(), call.scaling)  # statistics: never a graph
     if call.want_mass:
         if mass is None:
             raise RuntimeError(f"kernel {kernel.name!r} was asked for the attention mass and returned none")
         call.layer.observe_visible_keys(visible_keys(call.mask, query.shape[0]))
-        call.layer.observe_attention(mass)
+        call.layer.observe_attention(mass.detach())
     return out, None
 
 

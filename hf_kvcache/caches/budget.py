@@ -69,7 +69,7 @@ class RatioBudget:
             return 0
         fp16_full = sum(self._fp16(la, seen) for la in full)
         allowance = (sum(self._fp16(la, seen) for la in full + others) / self.target
-                     - sum(held_bytes(la.held_tensors()) for la in others))
+                     - sum(held_bytes(la.stored_tensors()) for la in others))
         share = allowance * self._fp16(layer, seen) / fp16_full / (layer.batch_size() * layer.num_heads)
         p, c = layer.plan, position_costs(layer)
         tail = p.tail_length + p.group_size - 1  # the most the tail holds between graduations

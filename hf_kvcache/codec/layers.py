@@ -104,6 +104,9 @@ def _store_restore(layer: CompressedLayer, state: LayerState, device: torch.devi
             setattr(layer, k, v)
 
 
+CALIB_QUERIES = "calib_queries"  # a calibrating tiered layer's queries `[batch, heads, <= window, head_dim]`
+
+
 def _tiered_state(layer: TieredQuantLayer) -> LayerState:
     """The tiers and plain attributes, plus the per-layer recipe (the rotation chosen by calibration) where the
     layer has one."""
@@ -112,6 +115,8 @@ def _tiered_state(layer: TieredQuantLayer) -> LayerState:
     recipe = getattr(layer, "recipe", None)
     if recipe is not None and hasattr(recipe, "to_dict"):
         state.scalars["recipe"] = recipe.to_dict()
+    if layer.calibrating and layer._calib_queries is not None:  # queries seen, choice not made yet: they travel
+        state.tensors[CALIB_QUERIES] = layer._calib_queries.detach().cpu().contiguous()
     return state
 
 
@@ -121,7 +126,11 @@ def _tiered_restore(layer: TieredQuantLayer, state: LayerState, device: torch.de
         from ..calibrate import LayerRecipe
 
         layer.recipe = LayerRecipe.from_dict(s["recipe"])
-    _store_restore(layer, state, device)
+    tensors = dict(state.tensors)
+    queries = tensors.pop(CALIB_QUERIES, None)
+    _store_restore(layer, LayerState(s, tensors), device)
+    if queries is not None:  # a layer restored mid-calibration chooses from the queries the original saw
+        layer._calib_queries = queries.to(device)
 
 
 def _dynamic_state(layer: DynamicLayer) -> LayerState:

@@ -93,13 +93,17 @@ def test_generate_calibrates_every_layer_from_its_queries(smol, moby_text):
 @pytest.mark.slow
 @torch.no_grad()
 def test_without_queries_a_layer_takes_no_rotation(smol, moby_text):
-    """Plain forwards with the sdpa attention report no queries: after one update a layer stops waiting."""
+    """Plain forwards with the eager attention report no queries (sdpa ones are served: `attention.plain`): after
+    one update a layer stops waiting."""
     model, tok = smol
-    model.set_attn_implementation("sdpa")
-    ids = load_tokens(tok, moby_text, 5000, 300)
-    cache = TieredQuantCache(config=model.config)
-    model(ids[:, :280], past_key_values=cache)
-    assert cache.layers[0].calibrating and cache.layers[0].tier_tokens()["warm"] == 0  # waiting one update
-    model(ids[:, 280:], past_key_values=cache)
-    assert all(r == {"rotation": "none", "errors": {}, "source": "no-queries"} for r in cache.recipes())
-    assert cache.layers[0].tier_tokens()["warm"] > 0
+    model.set_attn_implementation("eager")
+    try:
+        ids = load_tokens(tok, moby_text, 5000, 300)
+        cache = TieredQuantCache(config=model.config)
+        model(ids[:, :280], past_key_values=cache)
+        assert cache.layers[0].calibrating and cache.layers[0].tier_tokens()["warm"] == 0  # waiting one update
+        model(ids[:, 280:], past_key_values=cache)
+        assert all(r == {"rotation": "none", "errors": {}, "source": "no-queries"} for r in cache.recipes())
+        assert cache.layers[0].tier_tokens()["warm"] > 0
+    finally:
+        model.set_attn_implementation("sdpa")

@@ -105,7 +105,8 @@ class CPACLayer(CompressedLayer):
         which `observe_attention` splits the mass of a forward of several queries per query."""
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         if self._pending and self.query_window:
-            self._forward = {"keys": None if isinstance(keys, Placeholder) else keys, "new_keys": key_states.detach()}
+            self._forward = {"keys": None if isinstance(keys, Placeholder) else keys.detach(),
+                             "new_keys": key_states.detach()}
         return keys, values
 
     def reset(self) -> None:

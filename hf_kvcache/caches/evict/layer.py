@@ -45,9 +45,11 @@ MERGE_WINDOW = 32  # queries whose attention weighs a merge (the ring holds at l
 
 MISSING_MASS = (
     "{cls}: the attention mass of the previous forward never arrived. This cache (policy={policy!r}) evicts tokens "
-    "using the attention they receive and the padding of each row, which only the 'hf_kvcache' attention reports: "
-    "load the model with attn_implementation='hf_kvcache' (or call model.set_attn_implementation('hf_kvcache')), "
-    "then cache.reset(). generate(cache_implementation='h2o') switches the model by itself."
+    "using the attention they receive and the padding of each row, which only the 'hf_kvcache' attention reports "
+    "(it also serves sdpa models, in any loop, while hf_kvcache.serve_plain_loops is on; eager, flash and flex "
+    "attention report nothing): load the model with attn_implementation='hf_kvcache' (or call "
+    "model.set_attn_implementation('hf_kvcache')), then cache.reset(). generate(cache_implementation='h2o') switches "
+    "the model by itself."
 )
 
 

@@ -185,8 +185,13 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
         return [] if q is None else q.segments()
 
     def held_tensors(self) -> list[torch.Tensor]:
-        """The stored tiers (codebooks included) plus the tensors of the Hadamard rotations (signs and Sylvester
-        factors) the layer reads them with."""
+        """`stored_tensors`, plus, while the layer calibrates, the queries it holds to choose from."""
+        queries = [] if self._calib_queries is None else [self._calib_queries]
+        return [*self.stored_tensors(), *queries]
+
+    def stored_tensors(self) -> list[torch.Tensor]:
+        """The stored tiers (codebooks included) and the tensors of the Hadamard rotations (signs and Sylvester
+        factors) the layer reads them with: what it keeps for as long as it holds the tokens."""
         extra = [t for r in (getattr(self, n, None) for n in ("rot_k", "rot_v")) if r is not None
                  for t in r.tensors()]
         return [*self.tiers.tensors(), *extra]

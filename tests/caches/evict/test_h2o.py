@@ -252,15 +252,19 @@ def tiny_model():
     return eviction_llama()
 
 
-def test_plain_sdpa_model_gets_a_clear_error(tiny_model):
+def test_eager_model_gets_a_clear_error(tiny_model):
+    """Eager attention is each model's own function, outside the registry the plain-loop service wraps."""
     model = tiny_model
-    model.set_attn_implementation("sdpa")
-    cache = H2OCache(config=model.config, budget=4)
-    ids = torch.randint(0, 97, (1, 6))
-    with torch.inference_mode():
-        model(ids, past_key_values=cache)
-        with pytest.raises(RuntimeError, match="only the 'hf_kvcache' attention reports"):
-            model(ids[:, :1], past_key_values=cache)
+    model.set_attn_implementation("eager")
+    try:
+        cache = H2OCache(config=model.config, budget=4)
+        ids = torch.randint(0, 97, (1, 6))
+        with torch.inference_mode():
+            model(ids, past_key_values=cache)
+            with pytest.raises(RuntimeError, match="only the 'hf_kvcache' attention reports"):
+                model(ids[:, :1], past_key_values=cache)
+    finally:
+        model.set_attn_implementation("sdpa")
 
 
 # ---- crop before eviction ---------------------------------------------------------------------------------------------
