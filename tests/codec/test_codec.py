@@ -369,3 +369,28 @@ def test_lossless_refuses_caches_it_cannot_rebuild_naming_lossy(tiny, name):
     cache = _fill(model, LOSSY[name](cfg), ids[:, :100], attn="hf_kvcache" if name in FUSED else "sdpa")
     with pytest.raises(ValueError, match="lossless mode supports .*use mode='lossy'"):
         codec.encode(cache, config=cfg, mode="lossless")
+
+
+@torch.inference_mode()
+def test_a_cache_encoded_while_it_calibrates_chooses_as_the_original_does():
+    """A tiered layer holds the queries it saw until enough positions arrive to choose its recipe: they are counted
+    in its bytes and travel with the lossless blob, so the restored cache chooses the same recipe and codes."""
+    from models import tiny_llama
+
+    model = tiny_llama(layers=2)
+    cfg = model.config
+    ids = torch.randint(0, 256, (1, 160), generator=torch.Generator().manual_seed(2))
+    cache = TieredQuantCache(config=cfg, tail_length=16, warm_length=32, group_size=16, archive_group_size=16)
+    model(ids[:, :40], past_key_values=cache)  # a plain sdpa loop reports the queries (attention.plain)
+    layer = cache.layers[0]
+    assert layer.calibrating and layer._calib_queries is not None
+    assert any(t is layer._calib_queries for t in layer.held_tensors())
+    back = codec.decode(codec.encode(cache, config=cfg, mode="lossless"), config=cfg)
+    assert torch.equal(back.layers[0]._calib_queries, layer._calib_queries)
+    for c in (cache, back):
+        for i in range(40, 160, 40):
+            model(ids[:, i : i + 40], past_key_values=c)
+    assert back.recipes() == cache.recipes() and cache.recipes()[0]["source"] == "queries"
+    for a, b in zip(cache.layers, back.layers):
+        for x, y in zip(a.materialize(), b.materialize()):
+            assert torch.equal(x, y)
