@@ -162,25 +162,31 @@ def headline(opts: SuiteOptions, rows: list[Row]) -> str:
     return line
 
 
-def main_args(args: argparse.Namespace) -> int:
-    if args.from_json:
-        rows = read_rows(args.from_json)
-        print(format_rows(table_rows(rows)))
-        return 0
-    opts = options_of(args)
-    check_outputs(args.json, args.png)
-    if args.png and opts.suite not in PARETO_SUITES:
+def run_and_report(opts: SuiteOptions, png_path: str | None = None, title: str | None = None,
+                   command: str | None = None) -> int:
+    """Run the suite of `opts`, print its table, write its rows to `opts.json` (with `command`, the invocation that
+    made them) and its Pareto plot to `png_path`; returns the exit status (0)."""
+    check_outputs(opts.json, png_path)
+    if png_path and opts.suite not in PARETO_SUITES:
         raise ValueError(f"--png plots ratio against perplexity delta; --suite {opts.suite} has neither (the suites "
                          f"that do: {', '.join(PARETO_SUITES)}); leave --png out")
     rows = run_suite(opts)
     print(headline(opts, rows))
     print(format_rows(rows))
-    command = getattr(args, "invocation", None)
-    write_json(args.json, [{**r, "command": command} for r in rows] if command else rows)
-    if args.png:
+    write_json(opts.json, [{**r, "command": command} for r in rows] if command else rows)
+    if png_path:
         window = f"{opts.text} tokens {opts.start}:{opts.start + rows[0]['tokens']}" if rows else opts.text
-        plot(points_of(rows, args.json or "compare"), args.title or f"{opts.model}, {window}", args.png)
-    for path in (args.json, args.png):
+        plot(points_of(rows, opts.json or "compare"), title or f"{opts.model}, {window}", png_path)
+    for path in (opts.json, png_path):
         if path:
             print(f"wrote {path}")
     return 0
+
+
+def main_args(args: argparse.Namespace) -> int:
+    """`hf-kvcache compare`: the table of `--from-json`, or a run of the suite the arguments describe."""
+    if args.from_json:
+        rows = read_rows(args.from_json)
+        print(format_rows(table_rows(rows)))
+        return 0
+    return run_and_report(options_of(args), args.png, args.title, getattr(args, "invocation", None))

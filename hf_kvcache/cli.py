@@ -8,6 +8,7 @@ shared-prefix|needle|ruler|long`);
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -38,11 +39,10 @@ def _cmd_ppl(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     """`compare --suite perplexity` under its older name and defaults."""
-    from hf_kvcache.eval.compare import main_args
+    from hf_kvcache.eval.compare import options_of, run_and_report
 
-    args.suite, args.tokens = "perplexity", [args.tokens]
-    args.budgets = args.threads = args.from_json = args.png = args.title = None
-    return main_args(args)
+    opts = dataclasses.replace(options_of(args), suite="perplexity", tokens=[args.tokens])
+    return run_and_report(opts, command=getattr(args, "invocation", None))
 
 
 def _cmd_passkey(args: argparse.Namespace) -> int:
@@ -58,11 +58,10 @@ def _cmd_passkey(args: argparse.Namespace) -> int:
         dump_trials(args.dump_trials, trials)
         print(f"wrote {len(trials)} trials to {args.dump_trials}")
         return 0
-    from hf_kvcache.eval.compare import main_args
+    from hf_kvcache.eval.compare import options_of, run_and_report
 
-    args.suite, args.tokens, args.decode_steps = "passkey", [args.context], None
-    args.threads = args.png = args.from_json = args.title = None
-    return main_args(args)
+    opts = dataclasses.replace(options_of(args), suite="passkey", tokens=[args.context], decode_steps=None)
+    return run_and_report(opts, command=getattr(args, "invocation", None))
 
 
 def _cmd_codec_bench(args: argparse.Namespace) -> int:
