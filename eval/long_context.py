@@ -33,6 +33,8 @@ import torch
 from .assets import load_model, load_text, load_tokens
 from .bench import LOOPS, CacheSpec, driving, parse_specs
 from .paired import chunk_tokens, paired_ratio
+from .pareto import Point, plot
+from .pareto import table as pareto_table
 from .perplexity import streaming_perplexity
 from .rows import read_rows as rows_of
 from .rows import write_json
@@ -181,6 +183,29 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def pareto_points(rows: list[dict], tokens: int) -> list[Point]:
+    """The rows of `tokens` tokens as Pareto points (`eval.pareto.Point`), deltas against the dynamic row of the same
+    tokens; a cache measured in several loops gets one point per loop, labeled `cache [loop]` (loops that measured
+    the same perplexity and ratio share a point, `cache [attached = plain]`).
+
+    Raises:
+        ValueError: when no row of `tokens` tokens has a delta (no dynamic row of the same tokens)."""
+    held = sorted({r["tokens"] for r in rows})
+    rows = [r for r in compare_to_baseline(rows) if r["tokens"] == tokens and "delta_pct" in r]
+    if not rows:
+        raise ValueError(f"no rows of {tokens} tokens with a dynamic row beside them; the files hold lengths {held}")
+    loops: dict[str, set] = {}
+    same: dict[tuple, list[dict]] = {}  # loops of one cache that measured the same: one point
+    for r in rows:
+        loops.setdefault(r["cache"], set()).add(r["loop"])
+        same.setdefault((r["cache"], r["perplexity"], r["ratio"]), []).append(r)
+    points = []
+    for (cache, ppl, ratio), group in same.items():
+        label = cache if len(loops[cache]) == 1 else f"{cache} [{' = '.join(sorted(r['loop'] for r in group))}]"
+        points.append(Point(label, ratio, group[0]["delta_pct"], ppl, group[0]["model"]))
+    return points
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hf_kvcache.eval.long_context", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -197,9 +222,21 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--json", required=True)
     t = sub.add_parser("table", help="the markdown table of rows files, deltas against dynamic")
     t.add_argument("files", nargs="+")
+    f = sub.add_parser("pareto", help="ratio / perplexity-delta Pareto table (and PNG) of one length")
+    f.add_argument("files", nargs="+")
+    f.add_argument("--tokens", type=int, required=True)
+    f.add_argument("--png", default=None, help="also plot to this .png file")
+    f.add_argument("--title", default=None)
     args = p.parse_args(argv)
     if args.command == "table":
         print(markdown_table([row for f in args.files for row in read_rows(f)]))
+        return 0
+    if args.command == "pareto":
+        points = pareto_points([row for f in args.files for row in read_rows(f)], args.tokens)
+        print(pareto_table(points))
+        if args.png:
+            plot(points, args.title or f"{points[0].source}, {args.tokens} tokens", args.png)
+            print(f"wrote {args.png}")
         return 0
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -11,7 +11,7 @@ from hf_kvcache import TieredQuantCache, attached
 from hf_kvcache.caches.budget import position_costs
 from hf_kvcache.caches.tiers import format_label
 from hf_kvcache.eval.bench import CacheSpec
-from hf_kvcache.eval.long_context import LongRun, compare_to_baseline, markdown_table, stream_rows
+from hf_kvcache.eval.long_context import LongRun, compare_to_baseline, markdown_table, pareto_points, stream_rows
 from hf_kvcache.eval.perplexity import streaming_perplexity
 from random_kv import stream_random
 
@@ -163,6 +163,14 @@ def test_long_rows_at_each_length_are_the_shorter_streams(tiny_llama):
     assert "| tiny | 256 | t | attached |" in markdown_table(rows)
     with pytest.raises(ValueError, match="multiple of --chunk"):
         LongRun("tiny", start=0, lengths=[100], chunk=32)
+    # the Pareto points of one length: a point per loop, loops that measured the same share one
+    points = {p.label: p for p in pareto_points(rows, 256)}
+    assert set(points) == {"dynamic", "t [attached]", "t [plain]"}
+    assert points["t [plain]"].delta_pct == pytest.approx(compared[3]["delta_pct"])
+    again = {**rows[3], "loop": "unserved"}  # the same numbers in another loop
+    assert {p.label for p in pareto_points([*rows, again], 256)} == {"dynamic", "t [attached]", "t [plain = unserved]"}
+    with pytest.raises(ValueError, match=r"lengths \[128, 256\]"):
+        pareto_points(rows, 512)
 
 
 def test_the_long_context_name_is_a_preset_the_user_can_override():
