@@ -28,7 +28,7 @@ import torch
 from transformers import AttentionInterface
 
 from .function import hf_kvcache_attention
-from .request import AttentionRequest, request_for
+from .request import AttentionRequest, pending_requests, request_for
 
 SDPA = "sdpa"
 
@@ -45,7 +45,9 @@ def _serving(sdpa: Callable) -> Callable:
 
     def sdpa_serving_hf_kvcache(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                                 value: torch.Tensor, attention_mask: torch.Tensor | None, **kwargs: Any):
-        request = request_for(key)
+        # no request of ours pending (no cache of this library in play), or a compiled graph (our caches are not
+        # compiled): transformers' own function, without even looking the key tensor up
+        request = None if torch.compiler.is_compiling() or not pending_requests() else request_for(key)
         if request is not None and kwargs.get("softcap") is None and asks_attention(request):
             return hf_kvcache_attention(module, query, key, value, attention_mask, **kwargs)
         return sdpa(module, query, key, value, attention_mask, **kwargs)
