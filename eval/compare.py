@@ -24,7 +24,7 @@ import argparse
 import importlib.util
 import os
 
-from .bench import CacheSpec, parse_specs, run_benchmark
+from .bench import LOOPS, CacheSpec, parse_specs, run_benchmark
 from .pareto import Point, plot
 from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
 from .suites import MODE_HELP, MODES, SUITES, SuiteOptions, run_suite
@@ -95,7 +95,7 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--png", default=None, help="write the ratio / perplexity-delta Pareto plot to this .png file")
     p.add_argument("--title", default=None, help="plot title (default: model, text and token window)")
-    p.add_argument("--loop", choices=["attached", "plain", "unserved"], default="attached",
+    p.add_argument("--loop", choices=list(LOOPS), default="attached",
                    help="perplexity suites: run inside hf_kvcache.attached as generate does (default); plain: "
                         "model(ids, past_key_values=cache) with the model's own attention, as a user's loop does "
                         "(sdpa calls that a layer asks queries / mass of are served); unserved: that loop with "

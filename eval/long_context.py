@@ -15,8 +15,8 @@ attention: queries reported to the cache, codes read in place); "plain" is a use
 `model(ids, past_key_values=cache)` with the model's own attention (on an sdpa model the calls of a layer that asks
 for queries or mass are served by the "hf_kvcache" attention, `hf_kvcache.attention.plain`); "unserved" is that loop
 with nothing reported to the cache (an eager model's loop; what "plain" measured before the service existed). A cache
-that is not ours (`dynamic`) runs once, plain. `chunk_nll` holds the summed nll of every `nll_block` positions (the units `table` resamples for the paired
-interval of each cache against the dynamic row of the same tokens).
+that is not ours (`dynamic`) runs once, plain. `chunk_nll` holds the summed nll of every `nll_block` positions (the
+units `table` resamples for the paired interval of each cache against the dynamic row of the same tokens).
 """
 
 from __future__ import annotations

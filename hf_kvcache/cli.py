@@ -191,15 +191,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_cmd_ppl)
 
+    from hf_kvcache.eval.bench import LOOPS
+
     p = sub.add_parser("bench", help="several caches side by side (first one is the baseline)")
     _add_text_args(p, tokens=2048)
     p.add_argument("--caches", nargs="+", default=["dynamic", "int8", "int4", "fp8"],
                    help='specs: name, name:{json}, or label=name:{json}')
     p.add_argument("--decode-steps", type=int, default=16, help="single-token steps timed after the stream")
     p.add_argument("--json", default=None, help="also write the rows to this file")
-    p.add_argument("--loop", choices=["attached", "plain", "unserved"], default="attached",
-                   help="attached: as generate runs (default); plain: model(ids, past_key_values=cache), a user's loop; "
-                        "unserved: that loop with nothing reported to the cache")
+    p.add_argument("--loop", choices=list(LOOPS), default="attached",
+                   help="attached: as generate runs (default); plain: model(ids, past_key_values=cache), a user's "
+                        "loop; unserved: that loop with nothing reported to the cache")
     p.set_defaults(func=_cmd_bench)
 
     from hf_kvcache.eval.compare import add_arguments as _compare_arguments

@@ -2,10 +2,11 @@
 
 Each cache streams `max(--tokens)` tokens of `--text` from `--start` in `--chunk`-token forwards (default 512) through
 the loop `--loop` names (`attached`, as `generate` runs; `plain`, a user's own `model(ids, past_key_values=cache)`
-loop; `unserved`, that loop with nothing reported to the cache: `bench.LOOPS`); the rows at shorter lengths are the same stream's first tokens. Rows: the long-context rows (`perplexity`,
-`ratio`, `bytes`, `chunk_nll` per 64 positions, `loop`, `start`, `chunk`) with `delta_pct` against the `dynamic` row of
-the same tokens and its 95 % paired block-bootstrap interval (`low_pct`, `high_pct`). With `--json` each row is
-written as soon as it is measured, and a rerun with the same file measures only the rows it lacks.
+loop; `unserved`, that loop with nothing reported to the cache: `bench.LOOPS`); the rows at shorter lengths are the
+same stream's first tokens. Rows: the long-context rows (`perplexity`, `ratio`, `bytes`, `chunk_nll` per 64
+positions, `loop`, `start`, `chunk`) with `delta_pct` against the `dynamic` row of the same tokens and its 95 % paired
+block-bootstrap interval (`low_pct`, `high_pct`). With `--json` each row is written as soon as it is measured, and a
+rerun with the same file measures only the rows it lacks.
 """
 
 from __future__ import annotations

@@ -79,7 +79,6 @@ def serve_plain_loops(enabled: bool = True) -> None:
     AttentionInterface.register(SDPA, _serving(current) if enabled else current.wrapped)
 
 
-
 @contextlib.contextmanager
 def unserved() -> Iterator[None]:
     """Plain loops without the service while the block runs (how an eager model's loop, or any loop before this
