@@ -33,6 +33,7 @@ every trial), `trials`, `seconds`, and `results` (every trial: depth, key, answe
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import random
@@ -45,6 +46,7 @@ import torch
 from ..assets import load_model, load_text
 from ..bench import CacheSpec, parse_specs
 from ..haystack import filler_window, nearest_split, sentence_splits
+from ..replay import PrefillReplay
 from ..rows import Row, make_row
 from . import SuiteOptions, check_mode
 
@@ -119,6 +121,7 @@ class Answer:
     fp16_bytes: int
     answer_bytes: int = 0
     answer_fp16_bytes: int = 0
+    replayed: bool = False  # the context came in by `PrefillReplay.replay`, not by a forward of this cache
 
 
 def _held(cache) -> tuple[int, int, int]:
@@ -158,11 +161,17 @@ def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_t
 @torch.inference_mode()
 def answer(
     model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int], new_tokens: int = 8,
-    chunk: int = 0, mode: str = "agnostic",
+    chunk: int = 0, mode: str = "agnostic", prefill: PrefillReplay | None = None,
 ) -> Answer:
     """Greedy answer of the model with the cache of `spec` to `context_ids + question_ids` (see the module docstring
     for `mode`; `chunk`: tokens per prefill forward, 0 = one forward), at most `new_tokens` tokens. A cache scored by
-    context reconstruction (`policy="reconstruct"`) is scored once the context is in (`held_for_scoring`)."""
+    context reconstruction (`policy="reconstruct"`) is scored once the context is in (`held_for_scoring`).
+
+    `prefill` (mode "agnostic", one forward of the context): a `PrefillReplay` of these context ids shared by the
+    caches of one prompt. The full cache (`dynamic`) records its prefill into it; a cache that only stores what it
+    is given is then filled by replaying it (`Answer.replayed`) instead of a forward of its own (`eval/replay.py`)."""
+    from transformers import DynamicCache
+
     from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids
     from hf_kvcache.registry import attached
 
@@ -174,17 +183,27 @@ def answer(
     context = torch.tensor([context_ids], device=dev)
     step = chunk if chunk and chunk > 0 else context.shape[1]
     full = torch.tensor([context_ids + question_ids], device=dev)
+    if prefill is not None and (step < context.shape[1] or prefill.context_ids != list(context_ids)):
+        prefill = None  # recorded for another context, or a chunked prefill: every cache runs its own
+    record = prefill is not None and not prefill.updates and type(cache) is DynamicCache
+    replayed = prefill is not None and not record and prefill.replay(cache)
+    if prefill is not None and not record and not replayed:
+        cache = spec.build(model)  # the replay gave up part way: this cache prefills by itself
     with attached(model, cache):  # the attention the cache needs, for the context as for the generate after it
         # a cache scored by reconstruction evicts once the whole context is in and scored
         with held_for_scoring(model, cache, context, reconstruction_prompt_ids(tokenizer)):
-            for s in range(0, context.shape[1], step):
-                model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True, logits_to_keep=1)
+            if not replayed:
+                with prefill.recording(cache) if record else contextlib.nullcontext():
+                    for s in range(0, context.shape[1], step):
+                        model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True,
+                              logits_to_keep=1)
         held = _held(cache)  # after the context: the question has not been seen
         out = model.generate(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
-    return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held, *_held(cache)[1:])
+    return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held, *_held(cache)[1:],
+                  replayed=replayed)
 
 
 def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],

@@ -34,6 +34,7 @@ from collections import defaultdict
 from ..assets import load_model, load_plays, load_text
 from ..bench import CacheSpec, parse_specs
 from ..paired import paired_difference
+from ..replay import PrefillReplay
 from ..rows import Row, make_row, write_json
 from ..ruler_tasks import TASKS, RulerSample, TaskGenerator, score
 from . import SuiteOptions, check_mode
@@ -63,14 +64,17 @@ def ruler_specs(opts: SuiteOptions, model) -> list[CacheSpec]:
     return [CacheSpec(BASELINE, {}, BASELINE), *rest]
 
 
-def run_sample(model, tokenizer, spec: CacheSpec, sample: RulerSample, mode: str, chunk: int) -> dict:
-    """The answer of one cache to one sample, scored: the measured part of a sample row."""
+def run_sample(model, tokenizer, spec: CacheSpec, sample: RulerSample, mode: str, chunk: int,
+               prefill: PrefillReplay | None = None) -> dict:
+    """The answer of one cache to one sample, scored: the measured part of a sample row (`prefill`: the sample's
+    shared prefill, see `passkey.answer`; `replayed` says whether this cache took it)."""
     t0 = time.perf_counter()
-    a = answer(model, tokenizer, spec, sample.context_ids, sample.question_ids, sample.new_tokens, chunk, mode)
+    a = answer(model, tokenizer, spec, sample.context_ids, sample.question_ids, sample.new_tokens, chunk, mode,
+               prefill)
     return {"score": score(sample.expected, a.text), "answer": a.text, "expected": sample.expected,
             "depths": [round(d, 4) for d in sample.depths], "held": a.held, "bytes": a.bytes,
             "fp16_bytes": a.fp16_bytes, "answer_bytes": a.answer_bytes, "answer_fp16_bytes": a.answer_fp16_bytes,
-            "seconds": time.perf_counter() - t0}
+            "replayed": a.replayed, "seconds": time.perf_counter() - t0}
 
 
 def sample_rows_of(rows: list[Row]) -> list[Row]:
@@ -123,12 +127,14 @@ def run(opts: SuiteOptions) -> list[Row]:
         for i in range(count):
             for task in tasks:
                 sample = prompts[n, task][i]
+                # one prefill of the context for the caches that only store what they are given (eval/replay.py)
+                prefill = PrefillReplay(sample.context_ids) if opts.mode == "agnostic" else None
                 for spec in specs:
                     key = dict(model=opts.model, tokens=n, mode=opts.mode, task=task, sample=i, cache=spec.label,
                                seed=opts.seed)
                     if log.has(**key):
                         continue
-                    result = run_sample(model, tokenizer, spec, sample, opts.mode, opts.chunk or 0)
+                    result = run_sample(model, tokenizer, spec, sample, opts.mode, opts.chunk or 0, prefill)
                     log.add(make_row("ruler", spec.label, opts.model, n, mode=opts.mode, task=task, sample=i,
                                      seed=opts.seed, **result))
                     if opts.progress:
