@@ -10,7 +10,7 @@ exactly that after each layer's update and gives up (returns False) at the first
 prefills through the model as usual, with a fresh cache. `tests/eval/test_replay.py` checks the stored tensors of
 replayed caches against their own prefill, bit for bit.
 
-    prefill = PrefillReplay(context_ids)
+    prefill = PrefillReplay(prompt_ids)
     with prefill.recording(full_cache):            # a transformers DynamicCache
         model(context, past_key_values=full_cache)
     if not prefill.replay(cache):                  # any other cache, freshly built
@@ -41,16 +41,19 @@ class LayerUpdate:
 
 @dataclass
 class PrefillReplay:
-    """The updates of one recorded prefill of `context_ids` (empty until `recording` has run)."""
+    """The updates of one recorded prefill of `prompt_ids` (empty until `recording` has run), and the logits of its
+    last position `[vocab]` where the caller keeps them (the first answer token of a prompt that ends with its
+    question)."""
 
-    context_ids: list[int]
+    prompt_ids: list[int]
     updates: list[LayerUpdate] = field(default_factory=list)
+    logits: torch.Tensor | None = None
     replays: int = 0  # caches filled by `replay` so far
 
     @contextmanager
     def recording(self, cache: Any) -> Iterator[None]:
         """Record every `update` of `cache` (a transformers `DynamicCache`, whose prefill is the model's own) inside
-        the block, which must be one forward of `context_ids` over the empty cache."""
+        the block, which must be one forward of `prompt_ids` over the empty cache."""
         from transformers import DynamicCache
 
         if type(cache) is not DynamicCache:
@@ -71,9 +74,9 @@ class PrefillReplay:
         finally:
             del cache.update  # the class's own method again
         tokens = {u.keys.shape[2] for u in self.updates}
-        if tokens != {len(self.context_ids)}:
+        if tokens != {len(self.prompt_ids)}:
             self.updates.clear()  # not one forward of the whole context: nothing to replay
-            raise ValueError(f"recording expects one forward of the {len(self.context_ids)} context tokens; the "
+            raise ValueError(f"recording expects one forward of the {len(self.prompt_ids)} prompt tokens; the "
                              f"updates held {sorted(tokens)} tokens")
 
     def replay(self, cache: Any) -> bool:

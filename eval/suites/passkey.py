@@ -40,6 +40,7 @@ import random
 import re
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -167,33 +168,27 @@ def answer(
     for `mode`; `chunk`: tokens per prefill forward, 0 = one forward), at most `new_tokens` tokens. A cache scored by
     context reconstruction (`policy="reconstruct"`) is scored once the context is in (`held_for_scoring`).
 
-    `prefill` (mode "agnostic", one forward of the context): a `PrefillReplay` of these context ids shared by the
-    caches of one prompt. The full cache (`dynamic`) records its prefill into it; a cache that only stores what it
-    is given is then filled by replaying it (`Answer.replayed`) instead of a forward of its own (`eval/replay.py`)."""
-    from transformers import DynamicCache
-
+    `prefill`: a `PrefillReplay` shared by the caches of one prompt, of the ids one prefill forward takes (the
+    context in mode "agnostic", context + question in mode "question"; a chunked prefill shares nothing). The full
+    cache (`dynamic`) records its prefill into it; a cache that only stores what it is given is then filled by
+    replaying it (`Answer.replayed`) instead of a forward of its own (`eval/replay.py`)."""
     from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids
     from hf_kvcache.registry import attached
 
     check_mode(mode)
     if mode == "question":
-        return _answer_question_aware(model, tokenizer, spec, context_ids, question_ids, new_tokens, chunk)
+        return _answer_question_aware(model, tokenizer, spec, context_ids, question_ids, new_tokens, chunk, prefill)
     cache = spec.build(model)
     dev = model.device
     context = torch.tensor([context_ids], device=dev)
     step = chunk if chunk and chunk > 0 else context.shape[1]
     full = torch.tensor([context_ids + question_ids], device=dev)
-    if prefill is not None and (step < context.shape[1] or prefill.context_ids != list(context_ids)):
-        prefill = None  # recorded for another context, or a chunked prefill: every cache runs its own
-    record = prefill is not None and not prefill.updates and type(cache) is DynamicCache
-    replayed = prefill is not None and not record and prefill.replay(cache)
-    if prefill is not None and not record and not replayed:
-        cache = spec.build(model)  # the replay gave up part way: this cache prefills by itself
+    cache, record, replayed = _take_prefill(prefill, context_ids, step, cache, lambda: spec.build(model))
     with attached(model, cache):  # the attention the cache needs, for the context as for the generate after it
         # a cache scored by reconstruction evicts once the whole context is in and scored
         with held_for_scoring(model, cache, context, reconstruction_prompt_ids(tokenizer)):
             if not replayed:
-                with prefill.recording(cache) if record else contextlib.nullcontext():
+                with prefill.recording(cache) if record else contextlib.nullcontext():  # type: ignore[union-attr]
                     for s in range(0, context.shape[1], step):
                         model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True,
                               logits_to_keep=1)
@@ -206,8 +201,24 @@ def answer(
                   replayed=replayed)
 
 
+def _take_prefill(prefill: PrefillReplay | None, ids: list[int], step: int, cache, rebuild) -> tuple[Any, bool, bool]:
+    """(the cache to run, whether its prefill of `ids` is to be recorded into `prefill`, whether it was filled by
+    replaying `prefill`): a prefill shared by the caches of one prompt is used when it is of these ids and one
+    forward of `step` tokens takes them; the full cache records it, the others replay it or, when their prefill
+    asks the attention for something, run a fresh cache (`rebuild()`)."""
+    from transformers import DynamicCache
+
+    if prefill is None or step < len(ids) or prefill.prompt_ids != list(ids):
+        return cache, False, False
+    if not prefill.updates:
+        return cache, type(cache) is DynamicCache, False
+    if prefill.replay(cache):
+        return cache, False, True
+    return rebuild(), False, False
+
+
 def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],
-                           new_tokens: int, chunk: int) -> Answer:
+                           new_tokens: int, chunk: int, prefill: PrefillReplay | None = None) -> Answer:
     from hf_kvcache.caches.evict.reconstruct import reconstruction_prompt_ids, score_context, scored_layers
     from hf_kvcache.registry import attached
 
@@ -215,11 +226,21 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
     cache, keep = question_aware_cache(model, spec, n, q)
     full = torch.tensor([context_ids + question_ids], device=model.device)
     step = chunk if chunk and chunk > 0 else full.shape[1]
+    record, replayed = False, False
+    if keep is None:  # an evicting cache is driven by the attention of its own prefill
+        cache, record, replayed = _take_prefill(prefill, context_ids + question_ids, step, cache,
+                                                lambda: spec.build(model))
     tokens: list[int] = []
     with attached(model, cache):
-        for s in range(0, full.shape[1], step):
-            logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True,
-                           logits_to_keep=1).logits
+        if replayed:
+            logits = prefill.logits[None, None]  # type: ignore[union-attr,index]
+        else:
+            with prefill.recording(cache) if record else contextlib.nullcontext():  # type: ignore[union-attr]
+                for s in range(0, full.shape[1], step):
+                    logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True,
+                                   logits_to_keep=1).logits
+            if record:
+                prefill.logits = logits[0, -1]  # type: ignore[union-attr]
         if keep is not None:
             if scored_layers(cache):  # scored by reconstruction: the context is repeated, the question is not
                 score_context(model, cache, full[:, :n], reconstruction_prompt_ids(tokenizer))
@@ -233,7 +254,7 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
             logits = model(input_ids=torch.tensor([[nxt]], device=full.device), past_key_values=cache,
                            use_cache=True).logits
             nxt = int(logits[0, -1].argmax())
-    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:])
+    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:], replayed=replayed)
 
 
 def run_trial(

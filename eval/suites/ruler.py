@@ -127,8 +127,8 @@ def run(opts: SuiteOptions) -> list[Row]:
         for i in range(count):
             for task in tasks:
                 sample = prompts[n, task][i]
-                # one prefill of the context for the caches that only store what they are given (eval/replay.py)
-                prefill = PrefillReplay(sample.context_ids) if opts.mode == "agnostic" else None
+                # one prefill for the caches that only store what they are given (eval/replay.py)
+                prefill = PrefillReplay(sample.context_ids + (sample.question_ids if opts.mode == "question" else []))
                 for spec in specs:
                     key = dict(model=opts.model, tokens=n, mode=opts.mode, task=task, sample=i, cache=spec.label,
                                seed=opts.seed)

@@ -75,15 +75,19 @@ def test_recording_takes_one_forward_of_the_whole_context_over_a_full_cache(reco
     assert not prefill.updates
 
 
-def test_answers_through_the_shared_prefill_equal_their_own(smol, single_thread):
+@pytest.mark.parametrize("mode", ["agnostic", "question"])
+def test_answers_through_the_shared_prefill_equal_their_own(smol, mode, single_thread):
     model, tokenizer = smol
     context = tokenizer("The secret number for the word 'harpoon' is 4471. " * 12, add_special_tokens=False).input_ids
     question = tokenizer(" What is the secret number for the word 'harpoon'? It is", add_special_tokens=False).input_ids
     specs = [CacheSpec("dynamic", {}, "dynamic"), *parse_specs(["int4", "kivi", "tiered"])]
-    prefill = PrefillReplay(context)
-    shared = [answer(model, tokenizer, s, context, question, 6, prefill=prefill) for s in specs]
-    alone = [answer(model, tokenizer, s, context, question, 6) for s in specs]
+    prefill = PrefillReplay(context + (question if mode == "question" else []))
+    shared = [answer(model, tokenizer, s, context, question, 6, mode=mode, prefill=prefill) for s in specs]
+    alone = [answer(model, tokenizer, s, context, question, 6, mode=mode) for s in specs]
     assert [a.replayed for a in shared] == [False, True, True, False] and prefill.replays == 2
     assert shared == [a if s.name in ("dynamic", "tiered") else type(a)(**{**a.__dict__, "replayed": True})
                       for s, a in zip(specs, alone)]
     assert "4471" in shared[0].text
+    other = PrefillReplay(context)  # recorded for the agnostic prompt: the question mode does not take it
+    answer(model, tokenizer, specs[0], context, question, 1, mode="agnostic", prefill=other)
+    assert not answer(model, tokenizer, specs[1], context, question, 1, mode="question", prefill=other).replayed
