@@ -65,20 +65,25 @@ def press_ratio(keep_fraction: float, context: int, question: int, mode: str) ->
 
 
 @torch.inference_mode()
-def run_trial(model, tokenizer, name: str, keep_fraction: float, trial: dict, new_tokens: int, eager: bool,
-              mode: str = "agnostic") -> dict:
+def answer_with_press(model, tokenizer, name: str, keep_fraction: float, context_ids: list[int],
+                      question_ids: list[int], new_tokens: int, eager: bool, mode: str = "agnostic") -> dict:
+    """The greedy answer under press `name` keeping `keep_fraction` of the context (see the module docstring for
+    `mode`): `{"answer", "held"}` (the tokens layer 0 holds when the answer starts) and `bytes` / `fp16_bytes`, what
+    every key and value tensor of the cache holds then and its fp16 equivalent."""
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    n, q = len(trial["context_ids"]), len(trial["question_ids"])
+    n, q = len(context_ids), len(question_ids)
     press = make_press(name, press_ratio(keep_fraction, n, q, mode))
-    prompt = trial["context_ids"] + (trial["question_ids"] if mode == "question" else [])
+    prompt = context_ids + (question_ids if mode == "question" else [])
     with press(model) if press is not None else contextlib.nullcontext():
         logits = model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True,
                        output_attentions=eager).logits
     held = int(cache.layers[0].keys.shape[2])
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+    nbytes, fp16_bytes = sum(t.nbytes for t in tensors), sum(2 * t.numel() for t in tensors)
     pos = len(prompt)
-    ids = torch.tensor([trial["question_ids"]])
+    ids = torch.tensor([question_ids])
     answer = []
     for step in range(new_tokens):
         if mode == "agnostic" or step > 0:
@@ -90,10 +95,18 @@ def run_trial(model, tokenizer, name: str, keep_fraction: float, trial: dict, ne
         if nxt == tokenizer.eos_token_id:
             break
         ids = torch.tensor([[nxt]])
-    text = tokenizer.decode(answer, skip_special_tokens=True)
+    return {"answer": tokenizer.decode(answer, skip_special_tokens=True), "held": held, "bytes": nbytes,
+            "fp16_bytes": fp16_bytes}
+
+
+def run_trial(model, tokenizer, name: str, keep_fraction: float, trial: dict, new_tokens: int, eager: bool,
+              mode: str = "agnostic") -> dict:
+    a = answer_with_press(model, tokenizer, name, keep_fraction, trial["context_ids"], trial["question_ids"],
+                          new_tokens, eager, mode)
+    text = a["answer"]
     m = re.search(r"\d+", text)
     out = {"depth": trial["depth"], "key": trial["key"], "answer": text, "correct": bool(m and m.group(0) == trial["key"]),
-           "held": held}
+           "held": a["held"]}
     return out | ({"length": trial["length"]} if "length" in trial else {})
 
 
