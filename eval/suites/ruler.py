@@ -10,12 +10,16 @@ excerpts from Shakespeare), answered greedily by the model with each cache, in `
   compressed before the question is seen; then the question and the answer (`passkey.answer`).
 * "question": context + question prefilled together; quantizing caches then decode over what they stored, an h2o
   cache is evicted to its budget of the context + the question first (`passkey.question_aware_cache`).
-The full cache (`dynamic`) always runs, first, as the baseline. A sample's score is the fraction of its expected
+The full cache (`dynamic`) always runs, first, as the baseline; its prefill (one forward: no `--chunk`) is recorded,
+and every cache that only stores what it is given (the quantizing caches that calibrate nothing) is filled by
+replaying it instead of a forward of its own (`eval/replay.py`; bit for bit what its own prefill stores), so such a
+cache costs a question and a short answer. A resumed sample missing two caches or more records the full cache's
+prefill again first. A sample's score is the fraction of its expected
 strings found in the answer (`ruler_tasks.score`). The loop runs sample by sample (every task's sample 0, then 1, ...)
 and every cache on each, so a run cut off at any point leaves paired results.
 
 Rows: with `--json`, one row per (sample, cache) is written as soon as it is measured (`score`, `answer`,
-`expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `seconds`); `--resume` keeps those already in the file and runs
+`expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `replayed`, `seconds`); `--resume` keeps those already in the file and runs
 the others. The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
 cache, task) and per "average" over the tasks: `accuracy` (mean score), `samples`, `delta_pts` (points vs the full
 cache on the same samples) with `low_pts` / `high_pts` (its 95 % paired bootstrap interval, `paired.paired_difference`;
@@ -129,11 +133,11 @@ def run(opts: SuiteOptions) -> list[Row]:
                 sample = prompts[n, task][i]
                 # one prefill for the caches that only store what they are given (eval/replay.py)
                 prefill = PrefillReplay(sample.context_ids + (sample.question_ids if opts.mode == "question" else []))
-                for spec in specs:
-                    key = dict(model=opts.model, tokens=n, mode=opts.mode, task=task, sample=i, cache=spec.label,
-                               seed=opts.seed)
-                    if log.has(**key):
-                        continue
+                key = dict(model=opts.model, tokens=n, mode=opts.mode, task=task, sample=i, seed=opts.seed)
+                missing = [spec for spec in specs if not log.has(**key, cache=spec.label)]
+                if len(missing) >= 2 and specs[0] not in missing:  # resumed: record the full cache's prefill again
+                    run_sample(model, tokenizer, specs[0], sample, opts.mode, opts.chunk or 0, prefill)
+                for spec in missing:
                     result = run_sample(model, tokenizer, spec, sample, opts.mode, opts.chunk or 0, prefill)
                     log.add(make_row("ruler", spec.label, opts.model, n, mode=opts.mode, task=task, sample=i,
                                      seed=opts.seed, **result))

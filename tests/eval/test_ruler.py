@@ -216,6 +216,9 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
     assert by["int4", "average"]["ratio"] > 3 * by["dynamic", "average"]["ratio"]  # 4-bit vs the fp32 full cache
     assert all(r["answer_ratio"] > 0 and r["results"][0]["answer_bytes"] > 0 for r in rows)
     assert by["h2o budget=0.5", "average"]["held"] < 0.55 * by["dynamic", "average"]["held"]
+    # int4 took the full cache's prefill (eval/replay.py); h2o needs the attention of its own
+    assert {r["cache"]: {s["replayed"] for s in r["results"]} for r in rows} == {
+        "dynamic": {False}, "int4": {True}, "h2o budget=0.5": {False}}
     assert "vs full (pts)" in capsys.readouterr().out
 
     # a cut-off run leaves sample rows: resume runs only the missing samples, --from-json summarizes either file
@@ -228,6 +231,8 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
     assert out.count(" .. 512 ") == 3  # h2o on niah_single, int4 and h2o on fwe
     rows = json.loads(path.read_text())
     assert {(r["cache"], r["task"]) for r in rows} == {(c, t) for c in caches for t in ("niah_single", "fwe", "average")}
+    # two caches missing on fwe: the full cache's prefill was recorded again, and int4 took it
+    assert [s["replayed"] for r in rows if r["task"] == "fwe" and r["cache"] == "int4" for s in r["results"]] == [True]
     assert main(["compare", "--from-json", str(path)]) == 0
     assert "vs full (pts)" in capsys.readouterr().out
 
@@ -240,6 +245,7 @@ def test_question_mode_runs_quantizing_caches_and_bad_suite_input(tiny_model_dir
     rows = json.loads(path.read_text())
     assert [(r["cache"], r["samples"]) for r in rows] == [("dynamic", 2), ("dynamic", 2), ("kivi", 2), ("kivi", 2)]
     assert all(s["held"] == 512 for r in rows for s in r["results"])  # context + question held when answering
+    assert [s["replayed"] for s in rows[2]["results"]] == [True, True]  # kivi took the prefill of context + question
     for argv, message in [
         (["--tasks", "niah"], "unknown task(s) ['niah']"),
         (["--resume"], "--resume continues the sample rows"),
