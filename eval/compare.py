@@ -25,7 +25,8 @@ import importlib.util
 import os
 
 from .bench import LOOPS, CacheSpec, parse_specs, run_benchmark
-from .pareto import Point, plot
+from .pareto import PERPLEXITY, SUITE_SCORE, Point, plot
+from .pareto import table as pareto_table
 from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
 from .suites import MODE_HELP, MODES, SUITES, SuiteOptions, run_suite
 
@@ -100,7 +101,8 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
                         "model(ids, past_key_values=cache) with the model's own attention, as a user's loop does "
                         "(sdpa calls that a layer asks queries / mass of are served); unserved: that loop with "
                         "nothing reported to the cache (an eager model's loop)")
-    p.add_argument("--from-json", default=None, help="print the table of rows an earlier --json wrote; run nothing")
+    p.add_argument("--from-json", default=None, help="print the table of rows an earlier --json wrote; run nothing "
+                   "(with --png: also their Pareto table and plot; ruler rows: ratio against points lost)")
     g = p.add_argument_group("cpac")
     g.add_argument("--sections", nargs="+", default=None, help="pressure similarity curve timing (default: all)")
     g.add_argument("--only", nargs="+", default=None, help="curve labels to run (fnmatch patterns)")
@@ -183,10 +185,29 @@ def run_and_report(opts: SuiteOptions, png_path: str | None = None, title: str |
     return 0
 
 
+def plot_rows(rows: list[Row], png_path: str, title: str | None = None) -> None:
+    """Print the Pareto table of rows written before and plot it to `png_path`: ratio against perplexity delta, or,
+    for the rows of `--suite ruler` (one model, length and mode), against the points lost on the task average."""
+    check_outputs(None, png_path)
+    if rows and all(r.get("suite") == "ruler" for r in rows):
+        from .suites.ruler import pareto_points
+
+        points, axis = pareto_points(rows), SUITE_SCORE
+    else:
+        points, axis = points_of(rows), PERPLEXITY
+    if not points:
+        raise ValueError("--png: these rows carry no ratio and perplexity delta to plot")
+    print(pareto_table(points, axis))
+    plot(points, title or points[0].source, png_path, axis)
+    print(f"wrote {png_path}")
+
+
 def main_args(args: argparse.Namespace) -> int:
     """`hf-kvcache compare`: the table of `--from-json`, or a run of the suite the arguments describe."""
     if args.from_json:
         rows = read_rows(args.from_json)
         print(format_rows(table_rows(rows)))
+        if args.png:
+            plot_rows(rows, args.png, args.title)
         return 0
     return run_and_report(options_of(args), args.png, args.title, getattr(args, "invocation", None))

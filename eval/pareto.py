@@ -19,6 +19,10 @@ from dataclasses import dataclass
 
 @dataclass
 class Point:
+    """One cache on a front: `ratio` vs fp16 (larger is smaller), `delta_pct` its loss against the baseline (lower is
+    better: the perplexity delta in %, or the points a task suite lost), `perplexity` the measured value (perplexity,
+    or a suite's accuracy in %), `source` where it comes from."""
+
     label: str
     ratio: float
     delta_pct: float
@@ -65,16 +69,31 @@ def front(points: list[Point]) -> list[Point]:
                   key=lambda p: p.ratio)
 
 
-def table(points: list[Point]) -> str:
+@dataclass(frozen=True)
+class Axis:
+    """What a front's value and loss are: column names of the table, the plot's y label, and their formats."""
+
+    value: str = "perplexity"
+    loss: str = "delta"
+    ylabel: str = "perplexity delta vs DynamicCache (%)"
+    value_format: str = "{:.3f}"
+    loss_format: str = "{:+.2f} %"
+
+
+PERPLEXITY = Axis()
+SUITE_SCORE = Axis("accuracy %", "points lost", "points lost vs the full cache (task average)", "{:.1f}", "{:+.1f}")
+
+
+def table(points: list[Point], axis: Axis = PERPLEXITY) -> str:
     on = {id(p) for p in front(points)}
-    lines = ["| cache | ratio vs fp16 | perplexity | delta | Pareto |", "| --- | --- | --- | --- | --- |"]
+    lines = [f"| cache | ratio vs fp16 | {axis.value} | {axis.loss} | Pareto |", "| --- | --- | --- | --- | --- |"]
     for p in sorted(points, key=lambda p: -p.ratio):
-        lines.append(f"| {p.label} | {p.ratio:.2f}x | {p.perplexity:.3f} | {p.delta_pct:+.2f} % | "
-                     f"{'yes' if id(p) in on else ''} |")
+        lines.append(f"| {p.label} | {p.ratio:.2f}x | {axis.value_format.format(p.perplexity)} | "
+                     f"{axis.loss_format.format(p.delta_pct)} | {'yes' if id(p) in on else ''} |")
     return "\n".join(lines)
 
 
-def plot(points: list[Point], title: str, path: str) -> None:
+def plot(points: list[Point], title: str, path: str, axis: Axis = PERPLEXITY) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -84,11 +103,12 @@ def plot(points: list[Point], title: str, path: str) -> None:
     best = front(points)
     ax.plot([p.ratio for p in best], [p.delta_pct for p in best], "-", color="0.7", zorder=1, label="Pareto front")
     for p in points:
-        ax.scatter(p.ratio, p.delta_pct, s=28, zorder=2, color="C3" if p.label.startswith(("quanto", "hf-")) else "C0")
+        peer = p.label.startswith(("quanto", "hf-", "kvpress"))
+        ax.scatter(p.ratio, p.delta_pct, s=28, zorder=2, color="C3" if peer else "C0")
         ax.annotate(p.label, (p.ratio, p.delta_pct), fontsize=7, xytext=(3, 3), textcoords="offset points")
     ax.set_yscale("symlog", linthresh=5.0)
     ax.set_xlabel("compression vs fp16 DynamicCache (bytes held)")
-    ax.set_ylabel("perplexity delta vs DynamicCache (%)")
+    ax.set_ylabel(axis.ylabel)
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(loc="upper left", fontsize=8)

@@ -38,6 +38,7 @@ from collections import defaultdict
 from ..assets import load_model, load_plays, load_text
 from ..bench import CacheSpec, parse_specs
 from ..paired import paired_difference
+from ..pareto import Point
 from ..replay import PrefillReplay
 from ..rows import Row, make_row, write_json
 from ..ruler_tasks import TASKS, RulerSample, TaskGenerator, score
@@ -197,6 +198,22 @@ def _ratio(mine: list[Row], base: list[Row], prefix: str) -> float:
     bytes, `prefix` "" when the answer starts, "answer_" once it is decoded."""
     fp16 = [b[f"{prefix}fp16_bytes"] for b in base] or [m[f"{prefix}fp16_bytes"] for m in mine]
     return (sum(fp16) / len(fp16)) / (sum(m[f"{prefix}bytes"] for m in mine) / len(mine))
+
+
+def pareto_points(rows: list[Row]) -> list[Point]:
+    """The task averages of one (model, tokens, mode) run as Pareto points (`eval.pareto.Point`): the ratio vs fp16
+    once the answer is decoded (`answer_ratio`; the ratio when the answer starts for rows that lack it), the points
+    lost against the full cache on the same samples (the loss), the average accuracy in % (the value).
+
+    Raises:
+        ValueError: when `rows` hold several runs (models, lengths or modes), or none."""
+    averages = [r for r in summary_rows(rows) if r["task"] == AVERAGE]
+    runs = sorted({(r["model"], r["tokens"], r["mode"]) for r in averages})
+    if len(runs) != 1:
+        raise ValueError(f"a Pareto front is of one model, length and mode; the rows hold {runs or 'none'}: pass "
+                         "the rows of one run")
+    return [Point(r["cache"], r.get("answer_ratio", r["ratio"]), 0.0 - r.get("delta_pts", 0.0), 100 * r["accuracy"],
+                  f"{r['model']}, {r['tokens']} tokens, {r['mode']}") for r in averages]
 
 
 def table_rows(rows: list[Row]) -> list[Row]:

@@ -11,6 +11,7 @@ import torch
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval.paired import paired_difference
+from hf_kvcache.eval.suites.ruler import pareto_points
 from hf_kvcache.eval.ruler_tasks import (HAYSTACK_TASKS, NEEDLE, TASKS, TaskGenerator, TaskOptions, parse_speeches,
                                          score, spread_depth)
 
@@ -235,6 +236,18 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
     assert [s["replayed"] for r in rows if r["task"] == "fwe" and r["cache"] == "int4" for s in r["results"]] == [True]
     assert main(["compare", "--from-json", str(path)]) == 0
     assert "vs full (pts)" in capsys.readouterr().out
+    # the Pareto front of the run: ratio once answered against points lost, one point per cache
+    png = tmp_path / "front.png"
+    assert main(["compare", "--from-json", str(path), "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 0 and "| cache | ratio vs fp16 | accuracy % | points lost | Pareto |" in out
+    points = {p.label: p for p in pareto_points(rows)}
+    assert set(points) == set(caches) and points["dynamic"].delta_pct == 0.0
+    average = {r["cache"]: r for r in json.loads(path.read_text()) if r["task"] == "average"}
+    assert points["int4"].ratio == average["int4"]["answer_ratio"]
+    assert points["int4"].delta_pct == -average["int4"]["delta_pts"]
+    with pytest.raises(ValueError, match="one model, length and mode"):
+        pareto_points(rows + [dict(s, tokens=1024) for r in rows for s in r["results"]])
 
 
 def test_question_mode_runs_quantizing_caches_and_bad_suite_input(tiny_model_dir, tmp_path, capsys):
