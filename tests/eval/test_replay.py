@@ -13,7 +13,7 @@ from hf_kvcache.eval.replay import PrefillReplay
 from hf_kvcache.eval.suites.passkey import answer
 from hf_kvcache.registry import attached
 
-REPLAYED = ["int8", "int4", "fp8", "kivi", 'tiered:{"rotation":"none"}']
+REPLAYED = ["int8", "int4", "fp8", "kivi", "tiered_long", 'tiered:{"rotation":"none"}']
 OWN_PREFILL = ["tiered", 'h2o:{"budget":0.5}', "cpac"]  # calibration queries / attention mass in the prefill
 
 
