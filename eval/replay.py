@@ -1,17 +1,19 @@
-"""One prefill of a context for every cache that only stores what it is given: the full cache's forward is recorded
-(the keys and values each layer's `update` received), and a cache whose state after a one-forward prefill depends on
-nothing else is filled by replaying those updates instead of running the model again.
+"""One prefill of a context for every cache that needs nothing of it but the keys, values and last queries: the full
+cache's forward is recorded (the keys and values each layer's `update` received, and the last queries each attention
+call was given), and a cache whose state after a one-forward prefill depends on nothing else is filled by replaying
+those instead of running the model again.
 
 Why it holds: in a single prefill forward over an empty cache, every layer of ours returns the keys and values it is
-given (`CompressedLayer.update` with nothing held), so the model computes the same keys and values for every layer
-as with the full cache; what a cache stores then depends only on them, unless a layer asks the attention for
-something (queries while a tiered layer calibrates, the attention mass of an eviction or CPAC layer). A replay checks
-exactly that after each layer's update and gives up (returns False) at the first layer that asks: the caller then
-prefills through the model as usual, with a fresh cache. `tests/eval/test_replay.py` checks the stored tensors of
-replayed caches against their own prefill, bit for bit.
+given (`CompressedLayer.update` with nothing held), so the model computes the same keys, values and queries for every
+layer as with the full cache; what a cache stores then depends only on them and on what its layers ask the
+attention: a tiered layer calibrating asks for its last queries (`query_window`), which the recording kept; an
+eviction or CPAC layer asks for the attention mass, which it did not. A replay hands each layer what it asks right
+after its update, as the attention would, and gives up (returns False) at the first layer that asks for what was
+not recorded: the caller then prefills through the model as usual, with a fresh cache.
+`tests/eval/test_replay.py` checks the stored tensors of replayed caches against their own prefill, bit for bit.
 
-    prefill = PrefillReplay(prompt_ids)
-    with prefill.recording(full_cache):            # a transformers DynamicCache
+    prefill = PrefillReplay(context_ids)
+    with prefill.recording(full_cache):            # a transformers DynamicCache, on an "sdpa" model
         model(context, past_key_values=full_cache)
     if not prefill.replay(cache):                  # any other cache, freshly built
         cache = build_again(); model(context, past_key_values=cache)
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+SDPA = "sdpa"
 
 @dataclass
 class LayerUpdate:
@@ -40,6 +43,18 @@ class LayerUpdate:
 
 
 @dataclass
+class LayerQueries:
+    """The last queries one attention call of the recorded forward was given, `[batch, heads, <= QUERIES_KEPT,
+    head_dim]` (post-RoPE, copied with the strides of the original), and the call's scaling."""
+
+    queries: torch.Tensor
+    scaling: float
+
+
+QUERIES_KEPT = 256  # the most queries a replayed layer may ask of the prefill (a tiered layer calibrates with 64)
+
+
+@dataclass
 class PrefillReplay:
     """The updates of one recorded prefill of `prompt_ids` (empty until `recording` has run), and the logits of its
     last position `[vocab]` where the caller keeps them (the first answer token of a prompt that ends with its
@@ -47,13 +62,15 @@ class PrefillReplay:
 
     prompt_ids: list[int]
     updates: list[LayerUpdate] = field(default_factory=list)
+    queries: list[LayerQueries] = field(default_factory=list)  # one per update, when the model runs "sdpa"
     logits: torch.Tensor | None = None
     replays: int = 0  # caches filled by `replay` so far
 
     @contextmanager
     def recording(self, cache: Any) -> Iterator[None]:
         """Record every `update` of `cache` (a transformers `DynamicCache`, whose prefill is the model's own) inside
-        the block, which must be one forward of `prompt_ids` over the empty cache."""
+        the block, which must be one forward of `prompt_ids` over the empty cache, and the last `QUERIES_KEPT`
+        queries of every call to the registered "sdpa" attention (none on a model that runs another attention)."""
         from transformers import DynamicCache
 
         if type(cache) is not DynamicCache:
@@ -61,37 +78,63 @@ class PrefillReplay:
                              "a cache of ours may change what later layers are given")
         if cache.get_seq_length() != 0:
             raise ValueError("record a prefill over an empty cache")
+        from transformers import AttentionInterface
+
         self.updates.clear()
+        self.queries.clear()
         original = cache.update
+        sdpa = AttentionInterface._global_mapping.get(SDPA)
 
         def update(keys, values, layer_idx, *args, **kwargs):
             self.updates.append(LayerUpdate(keys, values, layer_idx, args, kwargs))
             return original(keys, values, layer_idx, *args, **kwargs)
 
+        def attention(module, query, key, value, attention_mask, **kwargs):
+            last = query[:, :, -QUERIES_KEPT:].detach()
+            scaling = kwargs.get("scaling")
+            self.queries.append(LayerQueries(torch.empty_like(last).copy_(last),
+                                             query.shape[-1] ** -0.5 if scaling is None else scaling))
+            return sdpa(module, query, key, value, attention_mask, **kwargs)
+
         cache.update = update
+        if sdpa is not None:
+            AttentionInterface._global_mapping[SDPA] = attention
         try:
             yield
         finally:
             del cache.update  # the class's own method again
+            if sdpa is not None:
+                AttentionInterface._global_mapping[SDPA] = sdpa
         tokens = {u.keys.shape[2] for u in self.updates}
         if tokens != {len(self.prompt_ids)}:
             self.updates.clear()  # not one forward of the whole context: nothing to replay
             raise ValueError(f"recording expects one forward of the {len(self.prompt_ids)} prompt tokens; the "
                              f"updates held {sorted(tokens)} tokens")
+        if len(self.queries) != len(self.updates):
+            self.queries.clear()  # another attention ran (eager, flash): layers that ask for queries run their own
 
     def replay(self, cache: Any) -> bool:
-        """Fill the empty `cache` with the recorded updates. Returns False (leaving `cache` partly filled: build a
-        fresh one) when nothing was recorded, or when a layer would have asked the attention of the prefill for
-        something that changes what it stores (`query_window > 0` or `wants_attention_mass`)."""
+        """Fill the empty `cache` with the recorded updates; a layer that asks for its last queries after its update
+        (`query_window > 0`: a tiered layer calibrating) is handed the recorded ones (`observe_queries`), as the
+        attention hands them. Returns False (leaving `cache` partly filled: build a fresh one) when nothing was
+        recorded, or when a layer would have asked the attention of the prefill for something the recording cannot
+        give: the attention mass (`wants_attention_mass`), or more queries than were kept."""
         if not self.updates or getattr(cache, "needs_attention_mass", False):
             return False
         if cache.get_seq_length() != 0:
             raise ValueError("replay fills an empty cache: build a fresh one")
         with torch.inference_mode():
-            for u in self.updates:
+            for i, u in enumerate(self.updates):
                 cache.update(u.keys, u.values, u.layer_idx, *u.args, **u.kwargs)
                 layer = cache.layers[u.layer_idx]
-                if getattr(layer, "query_window", 0) or getattr(layer, "wants_attention_mass", False):
+                if getattr(layer, "wants_attention_mass", False):
                     return False
+                window = int(getattr(layer, "query_window", 0) or 0)
+                if window:
+                    kept = self.queries[i] if self.queries else None
+                    short = window > kept.queries.shape[2] and kept.queries.shape[2] < u.keys.shape[2] if kept else True
+                    if short:  # no queries recorded (not an sdpa model), or fewer than the layer asks
+                        return False
+                    layer.observe_queries(kept.queries[:, :, -window:], kept.scaling)
         self.replays += 1
         return True

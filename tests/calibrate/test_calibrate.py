@@ -107,3 +107,19 @@ def test_without_queries_a_layer_takes_no_rotation(smol, moby_text):
         assert cache.layers[0].tier_tokens()["warm"] > 0
     finally:
         model.set_attn_implementation("sdpa")
+
+
+@torch.no_grad()
+def test_a_calibrating_layer_holds_its_last_queries_not_the_forwards_whole_query_tensor(smol, moby_text):
+    """The queries a layer keeps until it calibrates are a copy of the last `calibration_queries`: a view would keep
+    the whole prefill's query tensor alive (and counted in its bytes) until the next update."""
+    model, tok = smol
+    ids = load_tokens(tok, moby_text, 5000, 600)
+    cache = TieredQuantCache(config=model.config)
+    with hf_kvcache.attached(model, cache):
+        model(ids, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.calibrating
+    queries = layer._calib_queries
+    assert queries.shape[2] == layer.plan.calibration_queries == 64
+    assert queries.untyped_storage().nbytes() == queries.numel() * queries.element_size()

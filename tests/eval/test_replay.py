@@ -13,8 +13,10 @@ from hf_kvcache.eval.replay import PrefillReplay
 from hf_kvcache.eval.suites.passkey import answer
 from hf_kvcache.registry import attached
 
-REPLAYED = ["int8", "int4", "fp8", "kivi", "tiered_long", 'tiered:{"rotation":"none"}']
-OWN_PREFILL = ["tiered", 'h2o:{"budget":0.5}', "cpac"]  # calibration queries / attention mass in the prefill
+# the tiered default calibrates with the prefill's last queries: replayed from the recorded ones
+REPLAYED = ["int8", "int4", "fp8", "kivi", "tiered", "tiered_long", 'tiered:{"rotation":"none"}',
+            'tiered:{"calibration_queries":256}']
+OWN_PREFILL = ['h2o:{"budget":0.5}', "cpac", 'tiered:{"calibration_queries":257}']  # mass / more queries than kept
 
 
 def tiny_gemma() -> Gemma3ForCausalLM:
@@ -36,7 +38,7 @@ def held(cache) -> list[torch.Tensor]:
 @pytest.fixture(scope="module", params=list(MODELS))
 def recorded(request):
     model = MODELS[request.param]()
-    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(3))
+    ids = torch.randint(0, 256, (1, 600), generator=torch.Generator().manual_seed(3))
     prefill = PrefillReplay(ids[0].tolist())
     full = DynamicCache(config=model.config)
     with torch.inference_mode(), prefill.recording(full):
@@ -54,12 +56,22 @@ def test_a_replayed_cache_holds_what_its_own_prefill_stores(recorded, text, sing
     replayed = spec.build(model)
     took = prefill.replay(replayed)
     assert took == (text in REPLAYED)
-    if took:
-        assert replayed.get_seq_length() == own.get_seq_length() == ids.shape[1]
+    if not took:
+        return
+    assert replayed.get_seq_length() == own.get_seq_length() == ids.shape[1]
+    more = torch.randint(0, 256, (1, 80), generator=torch.Generator().manual_seed(4))
+    for step in (None, more[:, :79], more[:, 79:]):  # after the prefill, then as the next tokens come
+        if step is not None:
+            with torch.inference_mode():
+                for cache in (own, replayed):
+                    with attached(model, cache):
+                        model(step, past_key_values=cache)
         mine, theirs = held(replayed), held(own)
         assert len(mine) == len(theirs) > 0
         for a, b in zip(mine, theirs):
             assert a.dtype == b.dtype and torch.equal(a, b)
+    if hasattr(own, "recipes"):  # what calibration chose
+        assert replayed.recipes() == own.recipes()
 
 
 def test_recording_takes_one_forward_of_the_whole_context_over_a_full_cache(recorded):
@@ -75,6 +87,19 @@ def test_recording_takes_one_forward_of_the_whole_context_over_a_full_cache(reco
     assert not prefill.updates
 
 
+def test_an_eager_model_records_no_queries_so_a_calibrating_cache_runs_its_own_prefill():
+    model = tiny_llama(layers=2)
+    model.set_attn_implementation("eager")
+    ids = torch.randint(0, 256, (1, 300), generator=torch.Generator().manual_seed(5))
+    prefill = PrefillReplay(ids[0].tolist())
+    full = DynamicCache(config=model.config)
+    with torch.inference_mode(), prefill.recording(full):
+        model(ids, past_key_values=full)
+    assert len(prefill.updates) == 2 and not prefill.queries
+    assert prefill.replay(parse_specs(["int4"])[0].build(model))
+    assert not prefill.replay(parse_specs(["tiered"])[0].build(model))
+
+
 @pytest.mark.parametrize("mode", ["agnostic", "question"])
 def test_answers_through_the_shared_prefill_equal_their_own(smol, mode, single_thread):
     model, tokenizer = smol
@@ -84,8 +109,8 @@ def test_answers_through_the_shared_prefill_equal_their_own(smol, mode, single_t
     prefill = PrefillReplay(context + (question if mode == "question" else []))
     shared = [answer(model, tokenizer, s, context, question, 6, mode=mode, prefill=prefill) for s in specs]
     alone = [answer(model, tokenizer, s, context, question, 6, mode=mode) for s in specs]
-    assert [a.replayed for a in shared] == [False, True, True, False] and prefill.replays == 2
-    assert shared == [a if s.name in ("dynamic", "tiered") else type(a)(**{**a.__dict__, "replayed": True})
+    assert [a.replayed for a in shared] == [False, True, True, True] and prefill.replays == 3
+    assert shared == [a if s.name == "dynamic" else type(a)(**{**a.__dict__, "replayed": True})
                       for s, a in zip(specs, alone)]
     assert "4471" in shared[0].text
     other = PrefillReplay(context)  # recorded for the agnostic prompt: the question mode does not take it

@@ -34,7 +34,8 @@ class TierCalibration:
         """The last queries of a forward, `[batch, heads, <= calibration_queries, head_dim]` (post-RoPE), from the
         "hf_kvcache" attention while this layer calibrates."""
         if self.calibrating:
-            q = queries.detach()
+            # a copy (same strides): a view would keep the forward's whole query tensor alive until calibration
+            q = torch.empty_like(queries).copy_(queries.detach())
             prev = self._calib_queries
             if prev is not None and prev.shape[:2] == q.shape[:2]:  # consecutive forwards: consecutive positions
                 q = torch.cat([prev, q], dim=2)[:, :, -self.plan.calibration_queries :]
