@@ -74,6 +74,22 @@ def test_a_replayed_cache_holds_what_its_own_prefill_stores(recorded, text, sing
         assert replayed.recipes() == own.recipes()
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+def test_transformers_quantized_cache_replays_too(recorded, bits, single_thread):
+    """transformers' QuantizedCache (quanto), the peer of the suite: its layers return what they are given on the
+    first update, so a replay stores what its own prefill stores (compared through the logits that follow)."""
+    model, ids, prefill = recorded
+    if "gemma" in type(model).__name__.lower():
+        pytest.skip("quanto's QuantizedCache takes no sliding-window layers")
+    spec = parse_specs([f'hf-quanto:{{"nbits":{bits}}}'])[0]
+    own, replayed = spec.build(model), spec.build(model)
+    with torch.inference_mode():
+        model(ids, past_key_values=own)
+        assert prefill.replay(replayed)
+        more = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(4))
+        assert torch.equal(model(more, past_key_values=own).logits, model(more, past_key_values=replayed).logits)
+
+
 def test_recording_takes_one_forward_of_the_whole_context_over_a_full_cache(recorded):
     model, ids, _ = recorded
     prefill = PrefillReplay(ids[0].tolist())
