@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-SDPA = "sdpa"
+SDPA = "sdpa"  # the attention whose calls the recording reads the queries of
+
 
 @dataclass
 class LayerUpdate:
