@@ -3,16 +3,17 @@
 Three steps, the middle one in kvpress's own environment (it pins transformers < 5.3; see README.md here):
 
     # 1. main environment: the samples of a run as token ids
-    python benchmarks/peers/kvpress_ruler.py dump --model gemma3-270m --tokens 4096 --task-samples 1 \\
-        --out /tmp/ruler_gemma3-270m_4096.json
+    python benchmarks/peers/kvpress_ruler.py dump --model qwen2.5-coder-0.5b --tokens 4096 --task-samples 1 \\
+        --out /tmp/ruler_qwen2.5-coder-0.5b_4096.json
     # 2. kvpress environment: every press at every kept fraction, the answers (written after each one)
     OMP_NUM_THREADS=1 /tmp/kvpress-env/bin/python benchmarks/peers/kvpress_ruler.py run \\
-        /tmp/ruler_gemma3-270m_4096.json --model-dir $MODEL --presses snapkv tova --keep 0.5 0.25 \\
+        /tmp/ruler_qwen2.5-coder-0.5b_4096.json --model-dir $MODEL --presses snapkv tova --keep 0.5 0.25 \\
         --mode agnostic --json /tmp/kvpress_answers.json
     # 3. main environment: scored by `ruler_tasks.score`, added as sample rows to our rows of the same samples
-    python benchmarks/peers/kvpress_ruler.py score /tmp/kvpress_answers.json --samples /tmp/ruler_gemma3-270m_4096.json \\
-        --into docs/rows/ruler_gemma3-270m_4096_agnostic.json
-    hf-kvcache compare --from-json docs/rows/ruler_gemma3-270m_4096_agnostic.json
+    #    (answers to samples the file has no full-cache row for are left out, and counted)
+    python benchmarks/peers/kvpress_ruler.py score /tmp/kvpress_answers.json \\
+        --samples /tmp/ruler_qwen2.5-coder-0.5b_4096.json --into docs/rows/ruler_qwen2.5-coder-0.5b_4096_agnostic.json
+    hf-kvcache compare --from-json docs/rows/ruler_qwen2.5-coder-0.5b_4096_agnostic.json
 
 Step 2 runs `kvpress_passkey.answer_with_press` (same protocols: "agnostic" compresses the context before the
 question, "question" compresses context + question). A press row is labelled `kvpress-<press> keep=<f>` and pairs
@@ -101,8 +102,13 @@ def score_into(args: argparse.Namespace) -> None:
     with open(args.into) as f:
         rows = sample_rows_of(json.load(f))
     have = {tuple(r.get(k) for k in SAMPLE_KEYS) for r in rows}
-    added = 0
+    paired = {(r["model"], r["tokens"], r["mode"], r["task"], r["sample"], r.get("seed")) for r in rows
+              if r["cache"] == "dynamic"}
+    added = unpaired = 0
     for a in answers:
+        if (a["model"], a["tokens"], a["mode"], a["task"], a["sample"], a["seed"]) not in paired:
+            unpaired += 1  # no full-cache row of ours on this sample: nothing to compare it with
+            continue
         s = expected[a["task"], a["sample"]]
         row = make_row("ruler", f"kvpress-{a['press']} keep={a['keep']:g}", a["model"], a["tokens"], mode=a["mode"],
                        task=a["task"], sample=a["sample"], seed=a["seed"], score=score(s["expected"], a["answer"]),
@@ -113,7 +119,8 @@ def score_into(args: argparse.Namespace) -> None:
             rows.append(row)
             added += 1
     write_json(args.into, rows)
-    print(f"{added} kvpress rows added to {args.into}")
+    print(f"{added} kvpress rows added to {args.into}" + (f"; {unpaired} left out: the file has no full-cache row "
+                                                           "of their sample" if unpaired else ""))
 
 
 def main() -> None:
