@@ -102,8 +102,14 @@ def score_into(args: argparse.Namespace) -> None:
     with open(args.into) as f:
         rows = sample_rows_of(json.load(f))
     have = {tuple(r.get(k) for k in SAMPLE_KEYS) for r in rows}
-    paired = {(r["model"], r["tokens"], r["mode"], r["task"], r["sample"], r.get("seed")) for r in rows
+    paired = {(r["model"], r["tokens"], r["mode"], r["task"], r["sample"], r.get("seed")): r for r in rows
               if r["cache"] == "dynamic"}
+    for r in paired.values():  # the dumped samples must be the ones our rows answered
+        s = expected.get((r["task"], r["sample"]))
+        if s is not None and (s["expected"], s["depths"]) != (r["expected"], r["depths"]):
+            raise SystemExit(f"{args.samples} is not the samples of {args.into}: {r['task']} #{r['sample']} expects "
+                             f"{s['expected']} there, {r['expected']} in the rows; dump with the rows' model, tokens "
+                             "and seed")
     added = unpaired = 0
     for a in answers:
         if (a["model"], a["tokens"], a["mode"], a["task"], a["sample"], a["seed"]) not in paired:
