@@ -201,14 +201,17 @@ def answer(
                   replayed=replayed)
 
 
-def _take_prefill(prefill: PrefillReplay | None, ids: list[int], step: int, cache, rebuild) -> tuple[Any, bool, bool]:
+def _take_prefill(prefill: PrefillReplay | None, ids: list[int], step: int, cache, rebuild,
+                  needs_logits: bool = False) -> tuple[Any, bool, bool]:
     """(the cache to run, whether its prefill of `ids` is to be recorded into `prefill`, whether it was filled by
     replaying `prefill`): a prefill shared by the caches of one prompt is used when it is of these ids and one
-    forward of `step` tokens takes them; the full cache records it, the others replay it or, when their prefill
-    asks the attention for something, run a fresh cache (`rebuild()`)."""
+    forward of `step` tokens takes them (and, `needs_logits`, kept its last logits); the full cache records it, the
+    others replay it or, when their prefill asks the attention for something, run a fresh cache (`rebuild()`)."""
     from transformers import DynamicCache
 
     if prefill is None or step < len(ids) or prefill.prompt_ids != list(ids):
+        return cache, False, False
+    if needs_logits and prefill.updates and prefill.logits is None:
         return cache, False, False
     if not prefill.updates:
         return cache, type(cache) is DynamicCache, False
@@ -229,7 +232,7 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
     record, replayed = False, False
     if keep is None:  # an evicting cache is driven by the attention of its own prefill
         cache, record, replayed = _take_prefill(prefill, context_ids + question_ids, step, cache,
-                                                lambda: spec.build(model))
+                                                lambda: spec.build(model), needs_logits=True)
     tokens: list[int] = []
     with attached(model, cache):
         if replayed:

@@ -132,3 +132,8 @@ def test_answers_through_the_shared_prefill_equal_their_own(smol, mode, single_t
     other = PrefillReplay(context)  # recorded for the agnostic prompt: the question mode does not take it
     answer(model, tokenizer, specs[0], context, question, 1, mode="agnostic", prefill=other)
     assert not answer(model, tokenizer, specs[1], context, question, 1, mode="question", prefill=other).replayed
+    if mode == "question":  # recorded without the last logits (by hand): no first answer token to replay
+        bare, full = PrefillReplay(context + question), DynamicCache(config=model.config)
+        with torch.inference_mode(), bare.recording(full):
+            model(torch.tensor([context + question]), past_key_values=full)
+        assert not answer(model, tokenizer, specs[1], context, question, 1, mode=mode, prefill=bare).replayed
