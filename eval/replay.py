@@ -28,7 +28,6 @@ from typing import Any
 
 import torch
 
-SDPA = "sdpa"  # the attention whose calls the recording reads the queries of
 
 
 @dataclass
@@ -72,15 +71,15 @@ class PrefillReplay:
         """Record every `update` of `cache` (a transformers `DynamicCache`, whose prefill is the model's own) inside
         the block, which must be one forward of `prompt_ids` over the empty cache, and the last `QUERIES_KEPT`
         queries of every call to the registered "sdpa" attention (none on a model that runs another attention)."""
-        from transformers import DynamicCache
+        from transformers import AttentionInterface, DynamicCache
+
+        from hf_kvcache.attention.plain import SDPA  # the entry a user's sdpa model calls (and we wrap)
 
         if type(cache) is not DynamicCache:
             raise ValueError(f"record the prefill of the full cache (a DynamicCache), not of {type(cache).__name__}: "
                              "a cache of ours may change what later layers are given")
         if cache.get_seq_length() != 0:
             raise ValueError("record a prefill over an empty cache")
-        from transformers import AttentionInterface
-
         self.updates.clear()
         self.queries.clear()
         original = cache.update
