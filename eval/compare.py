@@ -24,11 +24,12 @@ import argparse
 import importlib.util
 import os
 
-from .bench import LOOPS, CacheSpec, parse_specs, run_benchmark
+from .bench import CacheSpec, parse_specs, run_benchmark
 from .pareto import PERPLEXITY, SUITE_SCORE, Point, plot
 from .pareto import table as pareto_table
 from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
-from .suites import MODE_HELP, MODES, SUITES, SuiteOptions, run_suite
+from .suites import SUITES, SuiteOptions, run_suite
+from .suites.options import add_suite_arguments, options_of, suite_module
 
 __all__ = ["add_arguments", "check_outputs", "compare_table", "main_args", "parse_specs", "points_of", "run_compare"]
 
@@ -86,65 +87,21 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
     p.add_argument("--caches", nargs="+", default=None,
                    help="specs: name, name:{json}, or label=name:{json}; the first one is the baseline; added after "
                         "a preset suite's caches")
-    p.add_argument("--budgets", type=float, nargs="+", default=None,
-                   help="passkey / needle / ruler: each cache with a budget option at each budget (int: tokens, "
-                        "float <= 1: ratio; ruler default 0.5 0.25); cpac: the memory_budget rows")
-    p.add_argument("--decode-steps", type=int, default=None,
-                   help="single-token steps timed (perplexity 16, 0: none; decode 64; append 64)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    p.add_argument("--device", default=None, help="decode / kernels: cuda or cpu (default: cuda when visible)")
     p.add_argument("--json", default=None, help="write the rows to this file")
     p.add_argument("--png", default=None, help="write the ratio / perplexity-delta Pareto plot to this .png file")
     p.add_argument("--title", default=None, help="plot title (default: model, text and token window)")
-    p.add_argument("--loop", choices=list(LOOPS), default="attached",
-                   help="perplexity suites: run inside hf_kvcache.attached as generate does (default); plain: "
-                        "model(ids, past_key_values=cache) with the model's own attention, as a user's loop does "
-                        "(sdpa calls that a layer asks queries / mass of are served); unserved: that loop with "
-                        "nothing reported to the cache (an eager model's loop)")
     p.add_argument("--from-json", default=None, help="print the table of rows an earlier --json wrote; run nothing "
                    "(with --png: also their Pareto table and plot; ruler rows: ratio against points lost)")
-    g = p.add_argument_group("cpac")
-    g.add_argument("--sections", nargs="+", default=None, help="pressure similarity curve timing (default: all)")
-    g.add_argument("--only", nargs="+", default=None, help="curve labels to run (fnmatch patterns)")
-    g.add_argument("--timing-layer", type=int, default=15, help="layer whose blocks the timing section times")
-    g.add_argument("--attn", default="hf_kvcache", help="attention implementation (hf_kvcache reports the mass)")
-    g = p.add_argument_group("passkey")
-    g.add_argument("--depths", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
-    g.add_argument("--trials", type=int, default=20, help="trials per depth")
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--new-tokens", type=int, default=8, help="tokens decoded for the answer")
-    g.add_argument("--mode", choices=MODES, default="agnostic", help=MODE_HELP)
-    g = p.add_argument_group("ruler (also --tokens, several; --caches, --budgets, --mode, --seed, --chunk)")
-    g.add_argument("--tasks", nargs="+", default=None, help="task names (default: all of them)")
-    g.add_argument("--task-samples", type=int, default=None, help="samples per task and length (default 8)")
-    g.add_argument("--resume", action="store_true",
-                   help="keep the sample rows already in --json and run only the missing ones")
-    g = p.add_argument_group("needle")
-    g.add_argument("--heatmaps", default=None, help="write one heatmap PNG per cache into this folder")
-    g = p.add_argument_group("shared-prefix")
-    g.add_argument("--samples", type=int, default=8, help="num_return_sequences of the one prompt")
-    g = p.add_argument_group("kernels")
-    g.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (CUDA 1 4 16, CPU 1 4)")
-    g.add_argument("--kv-heads", type=int, default=8)
-    g.add_argument("--group", type=int, default=4, help="query heads per KV head")
-    g.add_argument("--head-dim", type=int, default=128)
-    g.add_argument("--bits", type=int, default=2)
-    g.add_argument("--iters", type=int, default=10, help="timed runs per variant (median)")
-
+    add_suite_arguments(p)
 
 def table_rows(rows: list[Row]) -> list[Row]:
     """The rows `--from-json` prints: those of a suite that summarizes what it wrote (its `table_rows`) through it."""
     suite = rows[0].get("suite") if rows else None
     if suite not in SUITES:
         return rows
-    module = importlib.import_module(f"{__package__}.suites.{SUITES[suite]}")
+    module = suite_module(suite)
     return module.table_rows(rows) if hasattr(module, "table_rows") else rows
-
-
-def options_of(args: argparse.Namespace) -> SuiteOptions:
-    """The SuiteOptions of parsed `compare` arguments."""
-    names = SuiteOptions.__dataclass_fields__
-    return SuiteOptions(**{k: v for k, v in vars(args).items() if k in names})
 
 
 def headline(opts: SuiteOptions, rows: list[Row]) -> str:

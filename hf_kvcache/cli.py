@@ -41,7 +41,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     """`compare --suite perplexity` under its older name and defaults."""
     from hf_kvcache.eval.compare import options_of, run_and_report
 
-    opts = dataclasses.replace(options_of(args), suite="perplexity", tokens=[args.tokens])
+    opts = dataclasses.replace(options_of(args, "perplexity"), tokens=[args.tokens])
     return run_and_report(opts, command=getattr(args, "invocation", None))
 
 
@@ -60,7 +60,7 @@ def _cmd_passkey(args: argparse.Namespace) -> int:
         return 0
     from hf_kvcache.eval.compare import options_of, run_and_report
 
-    opts = dataclasses.replace(options_of(args), suite="passkey", tokens=[args.context], decode_steps=None)
+    opts = dataclasses.replace(options_of(args, "passkey"), tokens=[args.context])
     return run_and_report(opts, command=getattr(args, "invocation", None))
 
 

@@ -13,6 +13,8 @@ archive tiers' `_quantize` calls, not calibration round trips).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import statistics
 import time
 
@@ -22,7 +24,7 @@ from hf_kvcache.caches.tiered import TieredQuantLayer
 
 from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
-from . import SuiteOptions
+from .options import SuiteOptions, decode_steps_option
 
 LAYERS, HEADS, HEAD_DIM = 30, 3, 64
 MODEL = f"random SmolLM2-135M-shaped keys/values ({LAYERS} layers, {HEADS} KV heads, head_dim {HEAD_DIM})"
@@ -86,7 +88,17 @@ def time_cache(spec: CacheSpec, cached: int, steps: int = 64, seed: int = 0) -> 
     return out
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class AppendOptions(SuiteOptions):
+    """`--suite append`: the per-step append cost at each cache size."""
+
+    decode_steps: int | None = decode_steps_option()
+
+
+OPTIONS = AppendOptions
+
+
+def run(opts: AppendOptions) -> list[Row]:
     """One row per cache and length, caches in the order given."""
     lengths = opts.tokens or [512, 4096]
     if min(lengths) < 1:

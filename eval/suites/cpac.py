@@ -22,6 +22,8 @@ seen / bytes held. The attention is `hf_kvcache` (`--attn`; it reports the atten
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import fnmatch
 import statistics
 import time
@@ -38,7 +40,8 @@ from ..assets import load_model, load_text, load_tokens
 from ..bench import parse_specs
 from ..perplexity import streaming_perplexity
 from ..rows import Row, make_row
-from . import SuiteOptions, log_row
+from . import log_row
+from .options import SuiteOptions, budgets_option, option
 
 SECTIONS = ("pressure", "similarity", "curve", "timing")
 
@@ -287,7 +290,21 @@ def timing_section(model, ids, chunk: int, layer_idx: int, variants: list[tuple[
     return rows
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class CpacOptions(SuiteOptions):
+    """`--suite cpac`: CPAC's claims, section by section."""
+
+    budgets: list[float] | None = budgets_option()
+    sections: list[str] | None = option(None, "pressure similarity curve timing (default: all)", type=str, nargs="+")
+    only: list[str] | None = option(None, "curve labels to run (fnmatch patterns)", type=str, nargs="+")
+    timing_layer: int = option(15, "layer whose blocks the timing section times")
+    attn: str = option("hf_kvcache", "attention implementation (hf_kvcache reports the mass)")
+
+
+OPTIONS = CpacOptions
+
+
+def run(opts: CpacOptions) -> list[Row]:
     """Rows of every section asked for, in `SECTIONS` order."""
     sections = opts.sections or list(SECTIONS)
     unknown = sorted(set(sections) - set(SECTIONS))

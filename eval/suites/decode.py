@@ -34,7 +34,7 @@ from hf_kvcache.caches.base import memory_stats
 from ..assets import load_model, load_text, load_tokens
 from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
-from . import SuiteOptions
+from .options import SuiteOptions, decode_steps_option, device_option
 from .kernels import cpu_peak_bytes, gpu_peak_bytes, pick_device
 
 QUANTO_2 = 'HF QuantizedCache quanto 2-bit=hf-quanto:{"nbits": 2, "q_group_size": 32, "axis_key": 0, "axis_value": 0}'
@@ -125,7 +125,18 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
     return out
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class DecodeOptions(SuiteOptions):
+    """`--suite decode`: decode tokens/s of each cache after a prefill."""
+
+    decode_steps: int | None = decode_steps_option()
+    device: str | None = device_option()
+
+
+OPTIONS = DecodeOptions
+
+
+def run(opts: DecodeOptions) -> list[Row]:
     """One row per variant, in the order of --caches."""
     if opts.decode_steps is not None and opts.decode_steps < 1:
         raise ValueError(f"--suite decode times at least one step; got --decode-steps {opts.decode_steps}")

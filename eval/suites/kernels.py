@@ -15,6 +15,8 @@ allocation events replayed in time order), `vs_sdpa` (sdpa time / this time).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import statistics
 import time
 from collections.abc import Callable
@@ -26,7 +28,7 @@ from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
 from hf_kvcache.kernels.segments import QuantSegment
 
 from ..rows import Row, make_row
-from . import SuiteOptions
+from .options import SuiteOptions, device_option, option
 
 
 def cpu_peak_bytes(fn: Callable[[], object]) -> int:
@@ -117,7 +119,23 @@ def time_case(q: torch.Tensor, k16: torch.Tensor, v16: torch.Tensor, seg: QuantS
     return out
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class KernelsOptions(SuiteOptions):
+    """`--suite kernels`: decode-attention kernels on random tensors of these shapes."""
+
+    batch: list[int] | None = option(None, "batch sizes (CUDA 1 4 16, CPU 1 4)", type=int, nargs="+")
+    kv_heads: int = option(8, "KV heads")
+    group: int = option(4, "query heads per KV head")
+    head_dim: int = option(128, "head dim")
+    bits: int = option(2, "code width of the quantized variants")
+    iters: int = option(10, "timed runs per variant (median)")
+    device: str | None = device_option()
+
+
+OPTIONS = KernelsOptions
+
+
+def run(opts: KernelsOptions) -> list[Row]:
     """Rows of every (batch, tokens), three variants each."""
     device = pick_device(opts.device)
     cuda = device.startswith("cuda")

@@ -11,18 +11,30 @@ rerun with the same file measures only the rows it lacks.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..bench import parse_specs
 from ..long_context import BASELINE, LongRun, compare_to_baseline, is_ours
 from ..long_context import run as run_streams
 from ..rows import Row
-from . import SuiteOptions
+from .options import SuiteOptions, loop_option
 
 DEFAULT_CACHES = [BASELINE, "tiered", "tiered_long"]
 DEFAULT_LENGTHS = [8192]
 NLL_BLOCK = 64  # positions per nll unit of the paired interval
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class LongOptions(SuiteOptions):
+    """`--suite long`: streaming perplexity at 8K-32K in one loop."""
+
+    loop: str = loop_option()
+
+
+OPTIONS = LongOptions
+
+
+def run(opts: LongOptions) -> list[Row]:
     """The rows of this model's window, `dynamic` first (it runs first when listed)."""
     specs = parse_specs(opts.caches or DEFAULT_CACHES)
     if BASELINE not in [s.label for s in specs]:

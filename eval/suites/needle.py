@@ -11,17 +11,29 @@ answers (JSON only); `--heatmaps DIR` writes one heatmap PNG per cache (`plot_gr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import os
 
 from ..assets import load_model, load_text
 from ..bench import parse_specs
 from ..needle import needle_grid, plot_grid
 from ..rows import Row, make_row
-from . import SuiteOptions
-from .passkey import with_budgets
+from .options import option
+from .passkey import PasskeyOptions, with_budgets
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class NeedleOptions(PasskeyOptions):
+    """`--suite needle`: the passkey trials over a grid of context lengths x depths."""
+
+    heatmaps: str | None = option(None, "write one heatmap PNG per cache into this folder", type=str)
+
+
+OPTIONS = NeedleOptions
+
+
+def run(opts: NeedleOptions) -> list[Row]:
     lengths = tuple(opts.tokens or (1024, 2048, 4096))
     if opts.heatmaps and not os.path.isdir(opts.heatmaps):
         raise ValueError(f"--heatmaps {opts.heatmaps!r} is not a folder; create it first (mkdir -p {opts.heatmaps})")

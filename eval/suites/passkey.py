@@ -33,6 +33,8 @@ every trial), `trials`, `seconds`, and `results` (every trial: depth, key, answe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import contextlib
 import dataclasses
 import json
@@ -49,7 +51,8 @@ from ..bench import CacheSpec, parse_specs
 from ..haystack import filler_window, nearest_split, sentence_splits
 from ..replay import PrefillReplay
 from ..rows import Row, make_row
-from . import SuiteOptions, check_mode
+from .options import (SuiteOptions, budgets_option, check_mode, depths_option, mode_option, new_tokens_option,
+                      seed_option, trials_option)
 
 INSTRUCTION = (
     "There is a pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
@@ -343,7 +346,22 @@ def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[Ca
     return out
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class PasskeyOptions(SuiteOptions):
+    """`--suite passkey`: a key hidden in filler text at each depth, asked for after the context."""
+
+    budgets: list[float] | None = budgets_option()
+    depths: list[float] = depths_option()
+    trials: int = trials_option()
+    seed: int = seed_option()
+    new_tokens: int = new_tokens_option()
+    mode: str = mode_option()
+
+
+OPTIONS = PasskeyOptions
+
+
+def run(opts: PasskeyOptions) -> list[Row]:
     """`--suite passkey`: the rows of `run_passkey`, each budget-taking cache at each of --budgets."""
     specs = parse_specs(opts.caches or ["dynamic", 'h2o:{"budget":0.2}'])
     context = opts.one_length(1024)

@@ -11,9 +11,11 @@ does with nothing reported to the cache; the default is `attached`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from ..bench import LOOPS, parse_specs, run_benchmark
 from ..rows import Row, make_row
-from . import SuiteOptions
+from .options import SuiteOptions, decode_steps_option, loop_option
 
 PEERS = [
     "dynamic",
@@ -59,7 +61,18 @@ def cache_texts(opts: SuiteOptions) -> list[str]:
     return texts
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class PerplexityOptions(SuiteOptions):
+    """`--suite perplexity | peers | ablations`: streaming perplexity, then decode steps timed."""
+
+    decode_steps: int | None = decode_steps_option()
+    loop: str = loop_option()
+
+
+OPTIONS = PerplexityOptions
+
+
+def run(opts: PerplexityOptions) -> list[Row]:
     """One row per cache; the first cache is the baseline of `delta_pct`."""
     if opts.loop not in LOOPS:
         raise ValueError(f"loop must be one of {list(LOOPS)}, got {opts.loop!r}")

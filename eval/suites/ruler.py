@@ -29,6 +29,8 @@ starts), `held` and `results` (the sample rows). `summary_rows` turns sample row
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import json
 import math
 import os
@@ -42,7 +44,7 @@ from ..pareto import Point
 from ..replay import PrefillReplay
 from ..rows import Row, make_row, write_json
 from ..ruler_tasks import TASKS, RulerSample, TaskGenerator, score
-from . import SuiteOptions, check_mode
+from .options import SuiteOptions, budgets_option, check_mode, mode_option, option, seed_option
 from .passkey import answer, with_budgets
 
 BASELINE = "dynamic"
@@ -52,6 +54,21 @@ DEFAULT_CACHES = ["dynamic", "int8", "int4", "tiered", "kivi", "h2o"]
 DEFAULT_BUDGETS = [0.5, 0.25]
 AVERAGE = "average"
 SAMPLE_KEYS = ("model", "tokens", "mode", "task", "sample", "cache", "seed")  # what makes a sample row unique
+
+
+@dataclass
+class RulerOptions(SuiteOptions):
+    """`--suite ruler`: RULER-style tasks at each of `tokens` (several), scored against the full cache."""
+
+    budgets: list[float] | None = budgets_option()
+    mode: str = mode_option()
+    seed: int = seed_option()
+    tasks: list[str] | None = option(None, "task names (default: all of them)", type=str, nargs="+")
+    task_samples: int | None = option(None, "samples per task and length (default 8)", type=int)
+    resume: bool = option(False, "keep the sample rows already in --json and run only the missing ones")
+
+
+OPTIONS = RulerOptions
 
 
 def ruler_specs(opts: SuiteOptions, model) -> list[CacheSpec]:
@@ -114,7 +131,7 @@ class SampleLog:
         write_json(self.path, self.rows)
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+def run(opts: RulerOptions) -> list[Row]:
     """`--suite ruler`: see the module docstring."""
     check_mode(opts.mode)
     tasks = list(opts.tasks or TASKS)

@@ -13,6 +13,8 @@ generate returns (`memory_stats()`), `fp16_bytes` what an fp16 `DynamicCache` ho
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import hashlib
 import time
 
@@ -21,13 +23,26 @@ import torch
 from ..assets import load_model, load_text, load_tokens
 from ..bench import parse_specs
 from ..rows import Row, make_row
-from . import SuiteOptions, log_row
+from . import log_row
+from .options import SuiteOptions, decode_steps_option, option, seed_option
 
 DEFAULT_CACHES = ['paged (unshared)=paged_quant:{"share": false}', 'paged (shared)=paged_quant:{"share": true}',
                   "tiered"]
 
 
-def run(opts: SuiteOptions) -> list[Row]:
+@dataclass
+class SharedPrefixOptions(SuiteOptions):
+    """`--suite shared-prefix`: sampled continuations of one prompt that share its cache."""
+
+    samples: int = option(8, "num_return_sequences of the one prompt")
+    seed: int = seed_option()
+    decode_steps: int | None = decode_steps_option()
+
+
+OPTIONS = SharedPrefixOptions
+
+
+def run(opts: SharedPrefixOptions) -> list[Row]:
     prompt_tokens, new_tokens = opts.one_length(4096), opts.decode_steps or 32
     if opts.samples < 1:
         raise ValueError(f"--samples must be at least 1, got {opts.samples}")

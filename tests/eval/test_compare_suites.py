@@ -61,10 +61,40 @@ def test_presets_are_valid_specs_with_distinct_labels():
     (["--suite", "append", "--tokens", "0"], "cached lengths >= 1"),
     (["--suite", "long", "--caches", "tiered", "--tokens", "128"], "add it to --caches"),
     (["--suite", "long", "--tokens", "100", "--chunk", "64"], "multiple of --chunk 64"),
+    (["--suite", "ruler", "--trials", "3", "--loop", "plain"],
+     "--suite ruler takes no --loop (options of perplexity, peers, ablations, long, long-perplexity); --trials "
+     "(options of passkey, needle)"),
 ])
 def test_bad_suite_input_is_a_clear_error_before_any_run(capsys, argv, message):
     assert main(["compare", *argv]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_every_suite_flag_is_generated_from_its_options_dataclass():
+    import dataclasses
+
+    from hf_kvcache.cli import build_parser
+    from hf_kvcache.eval.suites import SUITES, options_class, suite_options
+    from hf_kvcache.eval.suites.options import own_fields
+    from hf_kvcache.eval.suites.ruler import RulerOptions
+
+    parser = build_parser()
+    compare = parser._subparsers._group_actions[0].choices["compare"]
+    flags = {a.dest: a for a in compare._actions}
+    for suite in SUITES:
+        cls = options_class(suite)
+        for f in own_fields(cls):
+            assert f.name in flags and flags[f.name].help, (suite, f.name)
+    args = parser.parse_args(["compare", "--suite", "ruler", "--tasks", "vt", "--task-samples", "3", "--resume",
+                              "--seed", "1"])
+    from hf_kvcache.eval.compare import options_of
+
+    opts = options_of(args)
+    assert type(opts) is RulerOptions
+    assert (opts.tasks, opts.task_samples, opts.resume, opts.seed, opts.mode) == (["vt"], 3, True, 1, "agnostic")
+    assert dataclasses.asdict(suite_options("ruler")) == dataclasses.asdict(RulerOptions(suite="ruler"))
+    with pytest.raises(ValueError, match="--suite kernels takes no --tasks"):
+        suite_options("kernels", tasks=["vt"])
 
 
 def test_from_json_rejects_what_compare_did_not_write(capsys, tmp_path):
