@@ -46,7 +46,7 @@ def run(opts: NeedleOptions) -> list[Row]:
     for spec in specs:
         # question-aware: an evicting cache other than h2o is refused (run_trial says so)
         grid = needle_grid(model, tokenizer, spec, lengths, tuple(opts.depths), opts.mode, opts.trials, text,
-                           opts.seed, opts.new_tokens)
+                           opts.seed, opts.answer_tokens())
         if opts.heatmaps:
             name = "".join(c if c.isalnum() or c in "-_." else "_" for c in f"{spec.label}_{opts.mode}")
             plot_grid(grid, os.path.join(opts.heatmaps, f"{name}.png"))

@@ -116,7 +116,7 @@ def trials_option() -> Any:
 
 
 def new_tokens_option() -> Any:
-    return option(8, "tokens decoded for the answer")
+    return option(None, "tokens decoded per answer (passkey / needle 8, greedy 24)", type=int)
 
 
 # suite name -> module of this package that holds its `run` and its `OPTIONS`; peers and ablations are cache
@@ -134,6 +134,7 @@ SUITES: dict[str, str] = {
     "needle": "needle",
     "ruler": "ruler",
     "long": "long",
+    "greedy": "greedy",
     "long-perplexity": "long",  # the suite name long-context rows carry (`eval/long_context.py`)
 }
 

@@ -354,8 +354,12 @@ class PasskeyOptions(SuiteOptions):
     depths: list[float] = depths_option()
     trials: int = trials_option()
     seed: int = seed_option()
-    new_tokens: int = new_tokens_option()
+    new_tokens: int | None = new_tokens_option()
     mode: str = mode_option()
+
+    def answer_tokens(self) -> int:
+        """`new_tokens`, or the passkey default (8)."""
+        return 8 if self.new_tokens is None else self.new_tokens
 
 
 OPTIONS = PasskeyOptions
@@ -369,7 +373,7 @@ def run(opts: PasskeyOptions) -> list[Row]:
     if opts.budgets:
         specs = with_budgets(specs, opts.budgets, loaded[0])
     return run_passkey(specs, opts.model, opts.text, context, tuple(opts.depths), opts.trials, opts.seed,
-                       opts.new_tokens, opts.chunk or 0, progress=opts.progress, loaded=loaded, mode=opts.mode)
+                       opts.answer_tokens(), opts.chunk or 0, progress=opts.progress, loaded=loaded, mode=opts.mode)
 
 
 def dump_trials(path: str, trials: list[PasskeyTrial]) -> None:

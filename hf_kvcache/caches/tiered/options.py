@@ -137,8 +137,8 @@ class TieredQuantOptions(CacheOptions):
       tail and warm tier sized for long contexts would be most of it. The default (`SLIDING_DEFAULT`) keeps no
       full-precision tail beyond the group waiting to leave it, 64 positions at 3 bits in groups of 32 and the
       rest of the window at 3 bits in groups of 64 (clip search on values; clipping keys too cut Gemma-3-270M's
-      greedy agreement with DynamicCache after a 700-token prompt from 24 to 2 of 24 tokens, `python -m
-      hf_kvcache.eval.greedy`), unrotated (a rotation lost perplexity there), and a KIVI archive whatever
+      greedy agreement with DynamicCache after a 700-token prompt from 24 to 2 of 24 tokens, `hf-kvcache
+      compare --suite greedy`), unrotated (a rotation lost perplexity there), and a KIVI archive whatever
       `archive_quantizer` says: a subspace basis fitted on the few positions a 64-token warm tier hands
       over (fewer than head_dim 256) misses most directions (Gemma-3-270M, 1024 tokens: subspace +33 %, adaptive
       +4057 % with subspace sliding layers). A sliding layer keeps no sinks either way. Models without sliding
