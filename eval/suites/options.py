@@ -135,6 +135,7 @@ SUITES: dict[str, str] = {
     "ruler": "ruler",
     "long": "long",
     "greedy": "greedy",
+    "calibration": "calibration",
     "long-perplexity": "long",  # the suite name long-context rows carry (`eval/long_context.py`)
 }
 

@@ -210,3 +210,17 @@ def test_needle_suite_one_row_per_cell_and_a_heatmap_per_cache(tmp_path):
     held = {(r["cache"], r["tokens"]): r["held"] for r in rows}
     assert held["h2o budget=0.5", 512] < 0.6 * held["dynamic", 512]  # evicted to half the context before answering
     assert sorted(p.name for p in tmp_path.glob("*.png")) == ["dynamic_question.png", "h2o_budget_0.5_question.png"]
+
+
+def test_calibration_suite_reports_each_layers_recipe_and_refuses_caches_without_recipes(capsys, tmp_path, moby_text):
+    path = tmp_path / "recipes.json"
+    assert main(["compare", "--suite", "calibration", "--tokens", "640", "--chunk", "128", "--caches", "tiered",
+                 "--json", str(path)]) == 0
+    (row,) = json.loads(path.read_text())
+    assert row["cache"] == "tiered" and row["perplexity"] > 1 and row["ratio"] > 0
+    chosen = [r for r in row["recipes"] if r is not None]
+    assert len(row["recipes"]) == 30 and chosen  # SmolLM2-135M's layers
+    assert all(r["rotation"] in ("none", "keys", "values", "both") and r["errors"] for r in chosen)
+    assert "layer  0:" in capsys.readouterr().out
+    assert main(["compare", "--suite", "calibration", "--tokens", "96", "--caches", "int8"]) == 2
+    assert "keeps none: pass tiered caches" in capsys.readouterr().err
