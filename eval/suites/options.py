@@ -116,7 +116,7 @@ def trials_option() -> Any:
 
 
 def new_tokens_option() -> Any:
-    return option(None, "tokens decoded per answer (passkey / needle 8, greedy 24)", type=int)
+    return option(None, "tokens decoded per answer (passkey / needle 8, greedy 24; prefill-memory: generated after the prompt, 8)", type=int)
 
 
 # suite name -> module of this package that holds its `run` and its `OPTIONS`; peers and ablations are cache
@@ -136,6 +136,8 @@ SUITES: dict[str, str] = {
     "long": "long",
     "greedy": "greedy",
     "calibration": "calibration",
+    "prefill-memory": "prefill_memory",
+    "reconstruct-cost": "reconstruct_cost",
     "long-perplexity": "long",  # the suite name long-context rows carry (`eval/long_context.py`)
 }
 

@@ -224,3 +224,20 @@ def test_calibration_suite_reports_each_layers_recipe_and_refuses_caches_without
     assert "layer  0:" in capsys.readouterr().out
     assert main(["compare", "--suite", "calibration", "--tokens", "96", "--caches", "int8"]) == 2
     assert "keeps none: pass tiered caches" in capsys.readouterr().err
+
+
+def test_prefill_memory_and_reconstruct_cost_measure_each_row_in_a_fresh_process(tmp_path, moby_text):
+    """Each row in its own spawned process: a peak above the loaded model, and the bytes the cache holds."""
+    path = tmp_path / "memory.json"
+    assert main(["compare", "--suite", "prefill-memory", "--tokens", "96", "--new-tokens", "2", "--caches", "dynamic",
+                 "int8", "--json", str(path)]) == 0
+    dynamic, int8 = json.loads(path.read_text())
+    assert (dynamic["cache"], int8["cache"]) == ("dynamic", "int8") and int8["new_tokens"] == 2
+    assert dynamic["peak_added_bytes"] > 0 and dynamic["cache_bytes"] is None and int8["cache_bytes"] > 0
+    assert int8["vs_dynamic"] == int8["peak_added_bytes"] / dynamic["peak_added_bytes"]
+    path = tmp_path / "cost.json"
+    assert main(["compare", "--suite", "reconstruct-cost", "--tokens", "96", "--chunk", "48", "--variants", "plain",
+                 "reconstruct", "--json", str(path)]) == 0
+    plain, scored = json.loads(path.read_text())
+    assert (plain["cache"], scored["cache"]) == ("plain", "reconstruct") and plain["peak_mib"] >= 0
+    assert scored["seconds"] >= scored["prefill_seconds"] > 0 and scored["score_seconds"] > 0

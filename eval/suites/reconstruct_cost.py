@@ -1,0 +1,101 @@
+"""`--suite reconstruct-cost`: what scoring a context by its reconstruction costs: prefill time and peak memory
+relative to a plain prefill.
+
+    hf-kvcache compare --suite reconstruct-cost --model qwen2.5-coder-0.5b --tokens 4096 --chunk 512 --json ROWS
+
+Each variant runs in a fresh process (`eval/isolated.py`, so that the peak resident memory of one does not hide the
+other's): it loads the model, reads its resident memory after a 64-token warm-up forward, then prefills `--tokens`
+tokens (2048) of Moby Dick (from character 200000) in one forward and reads the peak resident memory
+(`ru_maxrss`); the row gives the seconds and the peak over the loaded model (`peak_mib`). Variants (`--variants`):
+`plain` (the full cache, `DynamicCache`, the model's SDPA attention), `evict` (the evicting cache with the `snapkv`
+policy, which needs the attention mass: the `"hf_kvcache"` attention), `reconstruct` (the evicting cache with the
+`reconstruct` policy: the prefill, then `score_context` in `--chunk`-token forwards (512), then the eviction; its row
+splits the seconds into `prefill_seconds` and `score_seconds`). The budget is 25 % of the tokens.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass
+
+from ..isolated import in_fresh_process
+from ..rows import Row, make_row
+from .options import SuiteOptions, option
+
+VARIANTS = ("plain", "evict", "reconstruct")
+DEFAULT_TOKENS = 2048
+DEFAULT_CHUNK = 512
+
+
+@dataclass
+class ReconstructCostOptions(SuiteOptions):
+    """`--suite reconstruct-cost`: the variants to measure."""
+
+    variants: list[str] = option(list(VARIANTS), "plain evict reconstruct: the prefills to measure", type=str,
+                                 nargs="+", choices=VARIANTS)
+
+
+OPTIONS = ReconstructCostOptions
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise ValueError("/proc/self/status has no VmRSS; this measurement needs Linux")
+
+
+def measure(model_name: str, tokens: int, variant: str, chunk: int) -> dict:
+    """One variant in this process (see the module docstring): seconds and peak memory over the loaded model."""
+    import torch
+    from transformers import DynamicCache
+
+    from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids
+    from hf_kvcache.registry import attached, build_cache
+
+    from ..assets import load_model, load_text
+
+    model, tokenizer = load_model(model_name)
+    ids = tokenizer(load_text("moby-dick")[200_000:], add_special_tokens=False).input_ids[:tokens]
+    context = torch.tensor([ids])
+    torch.set_grad_enabled(False)
+    model(context[:, :64], past_key_values=DynamicCache(config=model.config), use_cache=True)  # first-call setup
+    base = _rss_kib()
+    out: dict = {}
+    t0 = time.perf_counter()
+    if variant == "plain":
+        model(context, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+    elif variant == "evict":
+        cache = build_cache("h2o", model.config, budget=0.25, policy="snapkv")
+        with attached(model, cache):
+            model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    else:
+        cache = build_cache("h2o", model.config, budget=0.25, policy="reconstruct", chunk=chunk)
+        prompt = reconstruction_prompt_ids(tokenizer)
+        with attached(model, cache):
+            with held_for_scoring(model, cache, context, prompt):
+                model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out["prefill_seconds"] = time.perf_counter() - t0
+        out["score_seconds"] = time.perf_counter() - t0 - out["prefill_seconds"]
+    out["seconds"] = time.perf_counter() - t0
+    out["peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    return out
+
+
+def run(opts: ReconstructCostOptions) -> list[Row]:
+    """One row per variant, each measured in a fresh process."""
+    tokens, chunk = opts.one_length(DEFAULT_TOKENS), opts.chunk or DEFAULT_CHUNK
+    unknown = sorted(set(opts.variants) - set(VARIANTS))
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; --variants takes some of: {' '.join(VARIANTS)}")
+    rows = []
+    for variant in opts.variants:
+        result = in_fresh_process(measure, model_name=opts.model, tokens=tokens, variant=variant, chunk=chunk)
+        rows.append(make_row("reconstruct-cost", variant, opts.model, tokens, chunk=chunk,
+                             threads=os.environ.get("OMP_NUM_THREADS"), **result))
+        if opts.progress:
+            print(f"  .. {variant}: {result['seconds']:.1f} s, peak +{result['peak_mib']:.0f} MiB", flush=True)
+    return rows
