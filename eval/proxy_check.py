@@ -1,6 +1,6 @@
 """How well the online quality proxy (`cache.quality_metrics()["proxy"]`) predicts the measured perplexity delta.
 
-    python -m hf_kvcache.eval.proxy_check rows_model_a.json rows_model_b.json ...
+    hf-kvcache proxy-check rows_model_a.json rows_model_b.json ...
 
 Reads `hf-kvcache bench --json` rows (every row of a cache with `quality_metrics` carries `proxy`), and prints the
 Pearson and Spearman correlation of proxy and delta per file and pooled over all files.
@@ -40,10 +40,12 @@ def correlation(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return pearson(x, y), pearson(_ranks(x), _ranks(y))
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hf_kvcache.eval.proxy_check", description=__doc__.split("\n")[0])
-    p.add_argument("rows", nargs="+", help="bench --json files")
-    args = p.parse_args(argv)
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("rows", nargs="+", help="bench / compare --json files")
+
+
+def main_args(args: argparse.Namespace) -> int:
+    """`hf-kvcache proxy-check`: the correlation table of the files `args.rows`."""
     pooled: list[tuple[str, float, float]] = []
     print("| rows | points | Pearson | Spearman |\n| --- | --- | --- | --- |")
     for path in args.rows:
@@ -55,7 +57,3 @@ def main(argv: list[str] | None = None) -> int:
     r, s = correlation([q for _, q, _ in pooled], [d for _, _, d in pooled])
     print(f"| pooled | {len(pooled)} | {r:.3f} | {s:.3f} |")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

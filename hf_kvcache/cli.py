@@ -1,5 +1,5 @@
 """`hf-kvcache` command: demo, ppl, bench, compare, passkey, caches, codec-bench, kernel-report, pareto,
-paired, report.
+paired, proxy-check, report.
 
 `compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey|
 shared-prefix|needle|ruler|long`);
@@ -90,6 +90,12 @@ def _cmd_pareto(args: argparse.Namespace) -> int:
 
 def _cmd_paired(args: argparse.Namespace) -> int:
     from hf_kvcache.eval.paired import main_args
+
+    return main_args(args)
+
+
+def _cmd_proxy_check(args: argparse.Namespace) -> int:
+    from hf_kvcache.eval.proxy_check import main_args
 
     return main_args(args)
 
@@ -265,6 +271,13 @@ def build_parser() -> argparse.ArgumentParser:
                        "(rows with chunk_nll)")
     _paired_arguments(p)
     p.set_defaults(func=_cmd_paired)
+
+    from hf_kvcache.eval.proxy_check import add_arguments as _proxy_check_arguments
+
+    p = sub.add_parser("proxy-check", help="how well the online quality proxy predicts the perplexity delta: "
+                       "Pearson / Spearman over --json rows that carry a proxy")
+    _proxy_check_arguments(p)
+    p.set_defaults(func=_cmd_proxy_check)
 
     from hf_kvcache.eval.report import add_arguments as _report_arguments
 

@@ -75,3 +75,15 @@ def test_tokens_keeps_one_window_of_a_file_that_holds_two(tmp_path, capsys):
     assert {p.label: p.ratio for p in load_points([str(path)], tokens=4096)} == {"dynamic": 0.5, "tiered": 4.8}
     assert main(["pareto", str(path), "--tokens", "1024"]) == 2
     assert "no rows of 1024-token runs" in capsys.readouterr().err
+
+
+def test_proxy_check_command_prints_the_correlations(tmp_path, capsys):
+    from hf_kvcache.cli import main
+
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{"cache": f"c{i}", "delta_pct": d, "proxy": q}
+                                for i, (q, d) in enumerate([(0.01, 0.5), (0.02, 3.0), (0.05, 2.0), (0.1, 9.0)])]))
+    assert main(["proxy-check", str(path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| rows | points | Pearson | Spearman |" and lines[-1].startswith("| pooled | 4 | ")
+    assert lines[-1].endswith("| 0.800 |")  # ranks 0 1 2 3 against 0 2 1 3
