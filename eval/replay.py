@@ -113,6 +113,44 @@ class PrefillReplay:
         if len(self.queries) != len(self.updates):
             self.queries.clear()  # another attention ran (eager, flash): layers that ask for queries run their own
 
+    def save(self, path: str) -> None:
+        """Write the recording (prompt ids, updates, kept queries, last logits) to `path` with `torch.save`, each
+        tensor compact (a view is not saved with the tensor it views).
+
+        Raises:
+            ValueError: when nothing was recorded."""
+        if not self.updates:
+            raise ValueError("nothing recorded to save: record the full cache's prefill first")
+
+        def compact(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.detach().clone()
+            if isinstance(x, dict):
+                return {k: compact(v) for k, v in x.items()}
+            if isinstance(x, (list, tuple)):
+                return [compact(v) for v in x]
+            return x
+
+        torch.save({"prompt_ids": list(self.prompt_ids), "logits": compact(self.logits),
+                    "updates": [{"keys": compact(u.keys), "values": compact(u.values), "layer_idx": u.layer_idx,
+                                 "args": compact(list(u.args)), "kwargs": compact(u.kwargs)} for u in self.updates],
+                    "queries": [{"queries": compact(q.queries), "scaling": q.scaling} for q in self.queries]}, path)
+
+    @classmethod
+    def load(cls, path: str, prompt_ids: list[int]) -> "PrefillReplay":
+        """The recording `save` wrote to `path`, which must be of `prompt_ids`.
+
+        Raises:
+            ValueError: when the file holds the prefill of another prompt."""
+        data = torch.load(path, weights_only=True)
+        if data["prompt_ids"] != list(prompt_ids):
+            raise ValueError(f"{path} holds the prefill of another prompt ({len(data['prompt_ids'])} tokens); delete "
+                             "it, or keep the prefills of other prompts in another folder")
+        return cls(list(prompt_ids),
+                   [LayerUpdate(u["keys"], u["values"], u["layer_idx"], tuple(u["args"]), u["kwargs"])
+                    for u in data["updates"]],
+                   [LayerQueries(q["queries"], q["scaling"]) for q in data["queries"]], data["logits"])
+
     def replay(self, cache: Any) -> bool:
         """Fill the empty `cache` with the recorded updates; a layer that asks for its last queries after its update
         (`query_window > 0`: a tiered layer calibrating) is handed the recorded ones (`observe_queries`), as the

@@ -66,6 +66,9 @@ class RulerOptions(SuiteOptions):
     tasks: list[str] | None = option(None, "task names (default: all of them)", type=str, nargs="+")
     task_samples: int | None = option(None, "samples per task and length (default 8)", type=int)
     resume: bool = option(False, "keep the sample rows already in --json and run only the missing ones")
+    prefills: str | None = option(None, "a folder keeping each sample's recorded prefill (one file per sample, about "
+                                  "200 MB at 8K tokens on a 0.5B model): a later run on the same samples replays "
+                                  "them instead of running the full cache's prefill again", type=str)
 
 
 OPTIONS = RulerOptions
@@ -149,11 +152,15 @@ def run(opts: RulerOptions) -> list[Row]:
         for i in range(count):
             for task in tasks:
                 sample = prompts[n, task][i]
-                # one prefill for the caches that only store what they are given (eval/replay.py)
-                prefill = PrefillReplay(sample.context_ids + (sample.question_ids if opts.mode == "question" else []))
                 key = dict(model=opts.model, tokens=n, mode=opts.mode, task=task, sample=i, seed=opts.seed)
                 missing = [spec for spec in specs if not log.has(**key, cache=spec.label)]
-                if len(missing) >= 2 and specs[0] not in missing:  # resumed: record the full cache's prefill again
+                if not missing:
+                    continue
+                # one prefill for the caches that only store what they are given (eval/replay.py)
+                ids = sample.context_ids + (sample.question_ids if opts.mode == "question" else [])
+                path = _prefill_path(opts, key)
+                prefill = PrefillReplay.load(path, ids) if path and os.path.exists(path) else PrefillReplay(ids)
+                if len(missing) >= 2 and specs[0] not in missing and not prefill.updates:  # resumed: record again
                     run_sample(model, tokenizer, specs[0], sample, opts.mode, opts.chunk or 0, prefill)
                 for spec in missing:
                     result = run_sample(model, tokenizer, spec, sample, opts.mode, opts.chunk or 0, prefill)
@@ -162,8 +169,23 @@ def run(opts: RulerOptions) -> list[Row]:
                     if opts.progress:
                         print(f"  .. {n} {task} #{i} {spec.label}: score {result['score']:.2f} "
                               f"({result['seconds']:.1f} s) {result['answer'][:60]!r}", flush=True)
+                    if path and prefill.updates and not os.path.exists(path):
+                        prefill.save(path)
     wanted = {(opts.model, n, opts.mode) for n in lengths}
     return summary_rows([r for r in log.rows if (r["model"], r["tokens"], r["mode"]) in wanted])
+
+
+def _prefill_path(opts: RulerOptions, key: dict) -> str | None:
+    """Where `--prefills` keeps the recorded prefill of the sample `key` (None without the option).
+
+    Raises:
+        ValueError: when the folder does not exist."""
+    if opts.prefills is None:
+        return None
+    if not os.path.isdir(opts.prefills):
+        raise ValueError(f"--prefills {opts.prefills!r} is not a folder; create it first (mkdir -p {opts.prefills})")
+    name = "_".join(str(key[k]) for k in ("model", "tokens", "mode", "task", "seed", "sample"))
+    return os.path.join(opts.prefills, "".join(c if c.isalnum() or c in "-_." else "_" for c in name) + ".pt")
 
 
 def summary_rows(rows: list[Row]) -> list[Row]:

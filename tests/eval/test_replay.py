@@ -103,6 +103,22 @@ def test_recording_takes_one_forward_of_the_whole_context_over_a_full_cache(reco
     assert not prefill.updates
 
 
+@pytest.mark.parametrize("text", ["tiered", "int4"])
+def test_a_saved_recording_replays_what_the_recording_replays(recorded, text, tmp_path, single_thread):
+    model, ids, prefill = recorded
+    path = str(tmp_path / "prefill.pt")
+    prefill.save(path)
+    loaded = PrefillReplay.load(path, ids[0].tolist())
+    spec = parse_specs([text])[0]
+    direct, again = spec.build(model), spec.build(model)
+    assert prefill.replay(direct) and loaded.replay(again)
+    assert all(torch.equal(a, b) for a, b in zip(held(direct), held(again), strict=True))
+    with pytest.raises(ValueError, match="holds the prefill of another prompt"):
+        PrefillReplay.load(path, ids[0, :-1].tolist())
+    with pytest.raises(ValueError, match="nothing recorded to save"):
+        PrefillReplay([1, 2]).save(path)
+
+
 def test_an_eager_model_records_no_queries_so_a_calibrating_cache_runs_its_own_prefill():
     model = tiny_llama(layers=2)
     model.set_attn_implementation("eager")

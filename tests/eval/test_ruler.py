@@ -250,6 +250,23 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
         pareto_points(rows + [dict(s, tokens=1024) for r in rows for s in r["results"]])
 
 
+def test_kept_prefills_are_replayed_by_a_later_run_on_the_same_samples(tiny_model_dir, tmp_path, capsys):
+    store = tmp_path / "prefills"
+    base = ["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", "--task-samples", "1",
+            "--tasks", "niah_single", "--prefills", str(store)]
+    assert main([*base, "--caches", "dynamic", "int4"]) == 2
+    assert "is not a folder; create it first" in capsys.readouterr().err
+    store.mkdir()
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    assert main([*base, "--caches", "dynamic", "int4", "--json", str(first)]) == 0
+    assert len(list(store.iterdir())) == 1  # one file per sample
+    assert main([*base, "--caches", "dynamic", "int4", "int8", "--json", str(second)]) == 0
+    one = {r["cache"]: r["results"][0] for r in json.loads(first.read_text()) if r["task"] == "niah_single"}
+    two = {r["cache"]: r["results"][0] for r in json.loads(second.read_text()) if r["task"] == "niah_single"}
+    assert not one["dynamic"]["replayed"] and all(r["replayed"] for r in two.values())  # no prefill ran again
+    assert all(two[c]["answer"] == one[c]["answer"] and two[c]["bytes"] == one[c]["bytes"] for c in one)
+
+
 def test_question_mode_runs_quantizing_caches_and_bad_suite_input(tiny_model_dir, tmp_path, capsys):
     path = tmp_path / "q.json"
     assert main(["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", "--task-samples", "2",
