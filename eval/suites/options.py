@@ -138,6 +138,7 @@ SUITES: dict[str, str] = {
     "calibration": "calibration",
     "prefill-memory": "prefill_memory",
     "reconstruct-cost": "reconstruct_cost",
+    "adapt": "adapt",
     "long-perplexity": "long",  # the suite name long-context rows carry (`eval/long_context.py`)
 }
 

@@ -241,3 +241,18 @@ def test_prefill_memory_and_reconstruct_cost_measure_each_row_in_a_fresh_process
     plain, scored = json.loads(path.read_text())
     assert (plain["cache"], scored["cache"]) == ("plain", "reconstruct") and plain["peak_mib"] >= 0
     assert scored["seconds"] >= scored["prefill_seconds"] > 0 and scored["score_seconds"] > 0
+
+
+def test_adapt_suite_adapts_after_every_window_and_writes_its_folder(tmp_path, capsys, moby_text):
+    out = tmp_path / "adapt"
+    out.mkdir()
+    path = tmp_path / "rows.json"
+    assert main(["compare", "--suite", "adapt", "--tokens", "64", "--chunk", "32", "--steps", "2", "--windows", "2",
+                 "--starts", "16:2", "--out", str(out), "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    assert [(r["cache"], r["sample"], r["window"]) for r in rows] == [("start 16:2", 1, 0), ("start 16:2", 2, 1)]
+    assert rows[1]["tail_length"] == rows[0]["next_tail_length"]  # each sample runs with what the last one adapted
+    assert all(r["ppl"] > 1 and r["ref_ppl"] > 1 and r["verdict"] for r in rows)
+    assert {p.name for p in out.iterdir()} == {"convergence.csv", "convergence.png", "summary.json"}
+    assert main(["compare", "--suite", "adapt", "--starts", "16"]) == 2
+    assert "write TAIL:BITS" in capsys.readouterr().err

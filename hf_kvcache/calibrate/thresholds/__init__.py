@@ -38,7 +38,7 @@ often too. After the last change every sample is within the target (a degraded o
 the upper bounds are reached. Noise can only make it settle on more memory than needed (a noisy sample raises a
 floor or collects a strike), never make it cycle: the rule errs on the side of quality. How fast it settles depends
 on how far the start is and on the noise: per-window perplexity deltas of real text are what
-`python -m hf_kvcache.eval.adapt_convergence` measures (docs/adapt/).
+`hf-kvcache compare --suite adapt` measures (docs/adapt/).
 
 `ThresholdStore` keeps thresholds per (model id, context length) and returns the nearest stored context length (in
 log scale) for a model; files are versioned JSON (`save_thresholds_file` / `load_thresholds_file`). `AdaptiveThresholds`

@@ -1,26 +1,29 @@
-"""Convergence of `adapt_thresholds` on real text: samples vs hot boundary / archive bits / perplexity delta / ratio.
+"""`--suite adapt`: convergence of `adapt_thresholds` on real text: samples vs hot boundary / archive bits /
+perplexity delta / ratio.
 
-    python -m hf_kvcache.eval.adapt_convergence --model smollm2-135m --out docs/adapt
+    hf-kvcache compare --suite adapt --model smollm2-135m --start 20000 --out docs/adapt
 
-Each sample is one window of consecutive real tokens (Moby Dick by default; windows are taken in order and reused
-cyclically after `--windows`), streamed in chunks of 32 through a tiered cache that is `reset()` before each window
+Each sample is one window of `--tokens` (512) consecutive real tokens of `--text` from `--start` (windows are taken
+in order and reused cyclically after `--windows`), streamed in chunks of `--chunk` (32) through a tiered cache that
+is `reset()` before each window
 (`streaming_perplexity`, as the benchmarks measure it, with the cache attached as `generate` would). The feedback
 is that window's perplexity delta against `DynamicCache` on the same window (computed once per window and kept).
 The cache then adapts its thresholds (`AdaptiveThresholds.adapt_thresholds`, the default hysteresis-safe rule) and
-the next sample runs with them. One run per `--starts` point (deliberately bad ones: too little memory, too much);
-the tiered options make the archive matter at this length (no warm tier, no rotation, so the thresholds are the
-only knobs). Writes `convergence.csv`, `convergence.png` and `summary.json` to `--out`.
+the next sample runs with them. One run per `--starts` point (deliberately bad ones: too little memory, too much), `--steps` samples each;
+the tiered options (`--tiered`, JSON over these defaults) make the archive matter at this length (no warm tier, no
+rotation, so the thresholds are the only knobs). Rows: one per sample (the `FIELDS`), the cache named by its start
+point; with `--out`, also `convergence.csv`, `convergence.png` and `summary.json` (each run's settling) in that folder.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import dataclasses
 import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -29,12 +32,32 @@ from hf_kvcache import TieredQuantCache
 from hf_kvcache.calibrate import Feedback, Thresholds
 from hf_kvcache.registry import attached
 
-from .assets import load_model, load_text, load_tokens
-from .perplexity import streaming_perplexity
+from ..assets import load_model, load_text, load_tokens
+from ..perplexity import streaming_perplexity
+from ..rows import Row, make_row
+from .options import SuiteOptions, option
 
 DEFAULT_TIERED = {"warm_length": 0, "rotation": "none"}
 FIELDS = ["start", "sample", "window", "token_start", "tail_length", "archive_bits", "ppl", "ref_ppl", "delta",
           "verdict", "ratio", "bytes", "fp16_bytes", "next_tail_length", "next_archive_bits", "seconds"]
+
+
+
+
+@dataclass
+class AdaptOptions(SuiteOptions):
+    """`--suite adapt`: the start points, the feedback rule's target and margin, the windows and samples."""
+
+    starts: list[str] = option(["16:2", "512:4"], "start points TAIL:BITS of the thresholds", type=str, nargs="+")
+    steps: int = option(80, "samples (windows streamed, then adapted on) per start point")
+    windows: int = option(40, "distinct consecutive windows (reused cyclically)")
+    target: float = option(0.03, "perplexity delta the feedback aims under")
+    margin: float = option(0.5, "fraction of the target below which the feedback says there is room")
+    tiered: str = option(json.dumps(DEFAULT_TIERED), "other tiered options (JSON)")
+    out: str | None = option(None, "folder for convergence.csv, convergence.png and summary.json", type=str)
+
+
+OPTIONS = AdaptOptions
 
 
 def parse_start(text: str) -> Thresholds:
@@ -42,7 +65,7 @@ def parse_start(text: str) -> Thresholds:
         tail, bits = text.split(":")
         return Thresholds(int(tail), int(bits))
     except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"start {text!r}: write TAIL:BITS, e.g. 16:2 ({exc})") from None
+        raise ValueError(f"--starts {text!r}: write TAIL:BITS, e.g. 16:2 ({exc})") from None
 
 
 def settled_at(rows: list[dict]) -> int:
@@ -54,8 +77,11 @@ def settled_at(rows: list[dict]) -> int:
     return last + 1
 
 
-def run(model_name: str, text: str, token_start: int, window: int, windows: int, samples: int, chunk: int,
-        starts: list[Thresholds], target: float, margin: float, tiered: dict, out=sys.stdout) -> tuple[list, dict]:
+def convergence(model_name: str, text: str, token_start: int, window: int, windows: int, samples: int, chunk: int,
+                starts: list[Thresholds], target: float, margin: float, tiered: dict, out=sys.stdout
+                ) -> tuple[list, dict]:
+    """The rows (one per sample and start point, `FIELDS`) and the summary (each run's settling) of the
+    experiment the module docstring describes."""
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name)
     ids = load_tokens(tokenizer, load_text(text), token_start, window * windows)
@@ -151,43 +177,23 @@ def plot(rows: list[dict], summary: dict, path: str) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(opts: AdaptOptions) -> list[Row]:
+    """`--suite adapt`: see the module docstring."""
     import hf_kvcache  # noqa: F401  (registers the cache names and the attention)
-
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--text", default="moby-dick")
-    p.add_argument("--start-token", type=int, default=20000, help="token offset of the first window")
-    p.add_argument("--window", type=int, default=512, help="tokens per sample")
-    p.add_argument("--windows", type=int, default=40, help="distinct consecutive windows (reused cyclically)")
-    p.add_argument("--samples", type=int, default=80, help="samples per start point")
-    p.add_argument("--chunk", type=int, default=32)
-    p.add_argument("--starts", nargs="+", type=parse_start, default=[Thresholds(16, 2), Thresholds(512, 4)],
-                   help="start points TAIL:BITS")
-    p.add_argument("--target", type=float, default=0.03)
-    p.add_argument("--margin", type=float, default=0.5)
-    p.add_argument("--tiered", default=json.dumps(DEFAULT_TIERED), help="other tiered options (JSON)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads")
-    p.add_argument("--out", default="docs/adapt")
-    args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
     from hf_kvcache.options import parse_options_json
 
-    tiered = parse_options_json(args.tiered, "--tiered")
-    os.makedirs(args.out, exist_ok=True)
+    tiered = parse_options_json(opts.tiered, "--tiered")
+    starts = [parse_start(t) for t in opts.starts]
+    if opts.steps < 1 or opts.windows < 1:
+        raise ValueError(f"--steps ({opts.steps}) and --windows ({opts.windows}) must be >= 1")
+    if opts.out and not os.path.isdir(opts.out):
+        raise ValueError(f"--out {opts.out!r} is not a folder; create it first (mkdir -p {opts.out})")
+    window, chunk = opts.one_length(512), opts.chunk or 32
     t0 = time.perf_counter()
-    rows, summary = run(args.model, args.text, args.start_token, args.window, args.windows, args.samples,
-                        args.chunk, args.starts, args.target, args.margin, tiered)
+    rows, summary = convergence(opts.model, opts.text, opts.start, window, opts.windows, opts.steps, chunk, starts,
+                                opts.target, opts.margin, tiered)
     summary["seconds"] = round(time.perf_counter() - t0, 1)
-    summary["threads"] = args.threads
-    with open(os.path.join(args.out, "convergence.csv"), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-        f.write("\n")
-    plot(rows, summary, os.path.join(args.out, "convergence.png"))
+    summary["threads"] = torch.get_num_threads()
     for r in summary["runs"]:
         if not r["samples_after_settling"]:
             print(f"start {r['start']}: still moving at the last sample ({r['threshold_changes']} changes), "
@@ -197,9 +203,15 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['threshold_changes']} changes); after settling: {r['samples_after_settling']} samples, "
               f"max delta {100 * r['max_delta_after_settling']:+.2f} %, "
               f"mean {100 * r['mean_delta_after_settling']:+.2f} %, ratio {r['ratio_after_settling']:.2f}x")
-    print(f"{summary['seconds']:.0f} s; wrote {args.out}/convergence.csv, convergence.png, summary.json")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    if opts.out:
+        with open(os.path.join(opts.out, "convergence.csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=FIELDS)
+            w.writeheader()
+            w.writerows(rows)
+        with open(os.path.join(opts.out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+            f.write("\n")
+        plot(rows, summary, os.path.join(opts.out, "convergence.png"))
+        print(f"wrote {opts.out}/convergence.csv, convergence.png, summary.json")
+    return [make_row("adapt", f"start {r['start']}", opts.model, window, **{k: v for k, v in r.items() if k != "start"})
+            for r in rows]
