@@ -25,6 +25,8 @@ import importlib.util
 import os
 
 from .bench import CacheSpec, parse_specs, run_benchmark
+from .long_context import SUITE as LONG_SUITE
+from .long_context import pareto_points as long_points
 from .pareto import PERPLEXITY, SUITE_SCORE, Point, plot
 from .pareto import table as pareto_table
 from .rows import Row, format_rows, has_pareto, make_row, read_rows, write_json
@@ -142,14 +144,28 @@ def run_and_report(opts: SuiteOptions, png_path: str | None = None, title: str |
     return 0
 
 
-def plot_rows(rows: list[Row], png_path: str, title: str | None = None) -> None:
+def plot_rows(rows: list[Row], png_path: str, title: str | None = None, tokens: list[int] | None = None) -> None:
     """Print the Pareto table of rows written before and plot it to `png_path`: ratio against perplexity delta, or,
-    for the rows of `--suite ruler` (one model, length and mode), against the points lost on the task average."""
+    for the rows of `--suite ruler` (one model, length and mode), against the points lost on the task average; long-
+    context rows (`--suite long`) at the one length of `tokens` (needed when they hold several).
+
+    Raises:
+        ValueError: for long-context rows of several lengths and no single `tokens` value."""
     check_outputs(None, png_path)
     if rows and all(r.get("suite") == "ruler" for r in rows):
         from .suites.ruler import pareto_points
 
         points, axis = pareto_points(rows), SUITE_SCORE
+    elif rows and all(r.get("suite") == LONG_SUITE for r in rows):
+        lengths = sorted({r["tokens"] for r in rows})
+        if tokens and len(tokens) == 1:
+            length = tokens[0]
+        elif len(lengths) == 1:
+            length = lengths[0]
+        else:
+            raise ValueError(f"these long-context rows hold lengths {lengths}: pick one with --tokens N")
+        points, axis = long_points(rows, length), PERPLEXITY
+        title = title or f"{points[0].source}, {length} tokens"
     else:
         points, axis = points_of(rows), PERPLEXITY
     if not points:
@@ -165,6 +181,6 @@ def main_args(args: argparse.Namespace) -> int:
         rows = read_rows(args.from_json)
         print(format_rows(table_rows(rows)))
         if args.png:
-            plot_rows(rows, args.png, args.title)
+            plot_rows(rows, args.png, args.title, args.tokens)
         return 0
     return run_and_report(options_of(args), args.png, args.title, getattr(args, "invocation", None))

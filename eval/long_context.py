@@ -1,9 +1,10 @@
-"""Streaming perplexity at long context (8K-32K), both ways a cache is driven, rows written as they come.
+"""Streaming perplexity at long context (8K-32K), every way a cache is driven, rows written as they come; run by
+`hf-kvcache compare --suite long` (`eval/suites/long.py`, one loop per call):
 
-    python -m hf_kvcache.eval.long_context run --model qwen2.5-coder-0.5b --start 150000 \\
-        --lengths 8192 16384 32768 --chunk 512 --caches dynamic tiered --loops attached plain \\
-        --json docs/rows/long_ppl_qwen2.5-coder-0.5b.json
-    python -m hf_kvcache.eval.long_context table docs/rows/long_ppl_*.json
+    hf-kvcache compare --suite long --model qwen2.5-coder-0.5b --start 150000 --tokens 8192 16384 32768 \\
+        --caches dynamic tiered --loop plain --json docs/rows/long_ppl_qwen2.5-coder-0.5b.json
+    hf-kvcache compare --from-json docs/rows/long_ppl_qwen2.5-coder-0.5b.json             # the rows, deltas
+    hf-kvcache compare --from-json ROWS --tokens 16384 --png front.png                   # the front at one length
 
 One stream of `max(lengths)` tokens per cache and loop; the perplexity at each shorter length is that of the
 stream's first `length` tokens (a cache's state at a position depends only on the tokens before it, so this is the
@@ -16,25 +17,21 @@ attention: queries reported to the cache, codes read in place); "plain" is a use
 for queries or mass are served by the "hf_kvcache" attention, `hf_kvcache.attention.plain`); "unserved" is that loop
 with nothing reported to the cache (an eager model's loop; what "plain" measured before the service existed). A cache
 that is not ours (`dynamic`) runs once, plain. `chunk_nll` holds the summed nll of every `nll_block` positions (the
-units `table` resamples for the paired interval of each cache against the dynamic row of the same tokens).
+units `compare_to_baseline` resamples for the paired interval of each cache against the dynamic row of the same tokens).
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-import shlex
-import sys
 import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .assets import load_model, load_text, load_tokens
-from .bench import LOOPS, CacheSpec, driving, parse_specs
+from .bench import LOOPS, CacheSpec, driving
 from .paired import chunk_tokens, paired_ratio
-from .pareto import Point, plot
-from .pareto import table as pareto_table
+from .pareto import Point
 from .perplexity import streaming_perplexity
 from .rows import read_rows as rows_of
 from .rows import write_json
@@ -204,50 +201,3 @@ def pareto_points(rows: list[dict], tokens: int) -> list[Point]:
         label = cache if len(loops[cache]) == 1 else f"{cache} [{' = '.join(sorted(r['loop'] for r in group))}]"
         points.append(Point(label, ratio, group[0]["delta_pct"], ppl, group[0]["model"]))
     return points
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m hf_kvcache.eval.long_context", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("run", help="stream the caches and write rows as they come")
-    r.add_argument("--model", required=True)
-    r.add_argument("--text", default="moby-dick")
-    r.add_argument("--start", type=int, required=True, help="first token of the window")
-    r.add_argument("--lengths", type=int, nargs="+", required=True)
-    r.add_argument("--chunk", type=int, default=512)
-    r.add_argument("--nll-block", type=int, default=64)
-    r.add_argument("--caches", nargs="+", required=True, help="specs as compare takes them (name, label=name:{json})")
-    r.add_argument("--loops", nargs="+", default=list(LOOPS), choices=list(LOOPS))
-    r.add_argument("--threads", type=int, default=None)
-    r.add_argument("--json", required=True)
-    t = sub.add_parser("table", help="the markdown table of rows files, deltas against dynamic")
-    t.add_argument("files", nargs="+")
-    f = sub.add_parser("pareto", help="ratio / perplexity-delta Pareto table (and PNG) of one length")
-    f.add_argument("files", nargs="+")
-    f.add_argument("--tokens", type=int, required=True)
-    f.add_argument("--png", default=None, help="also plot to this .png file")
-    f.add_argument("--title", default=None)
-    args = p.parse_args(argv)
-    if args.command == "table":
-        print(markdown_table([row for f in args.files for row in read_rows(f)]))
-        return 0
-    if args.command == "pareto":
-        points = pareto_points([row for f in args.files for row in read_rows(f)], args.tokens)
-        print(pareto_table(points))
-        if args.png:
-            plot(points, args.title or f"{points[0].source}, {args.tokens} tokens", args.png)
-            print(f"wrote {args.png}")
-        return 0
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    opts = LongRun(args.model, args.start, args.lengths, args.text, args.chunk, args.nll_block, args.loops)
-    threads = os.environ.get("OMP_NUM_THREADS")
-    command = (f"OMP_NUM_THREADS={threads} " if threads else "") + shlex.join(
-        ["python", "-m", "hf_kvcache.eval.long_context", *(argv if argv is not None else sys.argv[1:])])
-    rows = run(parse_specs(args.caches), opts, args.json, command)
-    print(markdown_table([r for r in rows if r["model"] == opts.model]))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

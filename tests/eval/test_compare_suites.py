@@ -256,3 +256,13 @@ def test_adapt_suite_adapts_after_every_window_and_writes_its_folder(tmp_path, c
     assert {p.name for p in out.iterdir()} == {"convergence.csv", "convergence.png", "summary.json"}
     assert main(["compare", "--suite", "adapt", "--starts", "16"]) == 2
     assert "write TAIL:BITS" in capsys.readouterr().err
+
+
+def test_from_json_plots_long_context_rows_at_the_length_asked(tmp_path, capsys):
+    rows = "docs/rows/long_ppl_gemma3-270m.json"  # 8192 and 16384 tokens
+    png = tmp_path / "front.png"
+    assert main(["compare", "--from-json", rows, "--png", str(png)]) == 2
+    assert "hold lengths [8192, 16384]: pick one with --tokens N" in capsys.readouterr().err
+    assert main(["compare", "--from-json", rows, "--tokens", "16384", "--png", str(png)]) == 0
+    out = capsys.readouterr().out
+    assert png.stat().st_size > 0 and "tiered [attached = plain]" in out and "tiered [unserved]" in out
