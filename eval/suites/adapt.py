@@ -78,10 +78,12 @@ def settled_at(rows: list[dict]) -> int:
 
 
 def convergence(model_name: str, text: str, token_start: int, window: int, windows: int, samples: int, chunk: int,
-                starts: list[Thresholds], target: float, margin: float, tiered: dict, out=sys.stdout
+                starts: list[Thresholds], target: float, margin: float, tiered: dict, out=None
                 ) -> tuple[list, dict]:
     """The rows (one per sample and start point, `FIELDS`) and the summary (each run's settling) of the
-    experiment the module docstring describes."""
+    experiment the module docstring describes; a progress line per sample to `out` (None: the current
+    `sys.stdout`)."""
+    out = out or sys.stdout
     torch.manual_seed(0)
     model, tokenizer = load_model(model_name)
     ids = load_tokens(tokenizer, load_text(text), token_start, window * windows)
