@@ -2,7 +2,7 @@
 paired, proxy-check, report.
 
 `compare` is the one benchmark runner (`--suite perplexity|peers|ablations|cpac|decode|kernels|append|passkey|
-shared-prefix|needle|ruler|long`);
+shared-prefix|needle|ruler|long|greedy|calibration|prefill-memory|reconstruct-cost|adapt`);
 `bench` and `passkey` are two of its suites under their older names and options."""
 
 from __future__ import annotations
