@@ -97,6 +97,7 @@ def add_arguments(p: argparse.ArgumentParser, model_help: str = "a zoo model, a 
                    "(with --png: also their Pareto table and plot; ruler rows: ratio against points lost)")
     add_suite_arguments(p)
 
+
 def table_rows(rows: list[Row]) -> list[Row]:
     """The rows `--from-json` prints: those of a suite that summarizes what it wrote (its `table_rows`) through it."""
     suite = rows[0].get("suite") if rows else None

@@ -1,6 +1,6 @@
 """Run a measurement in a fresh Python process, so that what one measurement allocated (or its peak resident
 memory) does not show in the next: `in_fresh_process(func, **kwargs)` spawns an interpreter, calls `func(**kwargs)`
-there and returns its result."""
+there and returns its result; `status_kib(field)` reads this process's memory counters there (Linux)."""
 
 from __future__ import annotations
 
@@ -19,3 +19,15 @@ def in_fresh_process(func: Callable[..., Any], **kwargs: Any) -> Any:
         What `func` returned; an exception it raised is raised here."""
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         return pool.apply(func, kwds=kwargs)
+
+
+def status_kib(field: str) -> int:
+    """This process's `field` of `/proc/self/status` in KiB (e.g. "VmRSS", "VmHWM").
+
+    Raises:
+        ValueError: when the file has no such field (not Linux)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise ValueError(f"/proc/self/status has no {field}; this measurement needs Linux")

@@ -9,9 +9,9 @@ is `reset()` before each window
 (`streaming_perplexity`, as the benchmarks measure it, with the cache attached as `generate` would). The feedback
 is that window's perplexity delta against `DynamicCache` on the same window (computed once per window and kept).
 The cache then adapts its thresholds (`AdaptiveThresholds.adapt_thresholds`, the default hysteresis-safe rule) and
-the next sample runs with them. One run per `--starts` point (deliberately bad ones: too little memory, too much), `--steps` samples each;
-the tiered options (`--tiered`, JSON over these defaults) make the archive matter at this length (no warm tier, no
-rotation, so the thresholds are the only knobs). Rows: one per sample (the `FIELDS`), the cache named by its start
+the next sample runs with them. One run per `--starts` point (deliberately bad ones: too little memory, too much),
+`--steps` samples each; the tiered options (`--tiered`, JSON over these defaults) make the archive matter at this
+length (no warm tier, no rotation, so the thresholds are the only knobs). Rows: one per sample (the `FIELDS`), the cache named by its start
 point; with `--out`, also `convergence.csv`, `convergence.png` and `summary.json` (each run's settling) in that folder.
 """
 

@@ -116,7 +116,8 @@ def trials_option() -> Any:
 
 
 def new_tokens_option() -> Any:
-    return option(None, "tokens decoded per answer (passkey / needle 8, greedy 24; prefill-memory: generated after the prompt, 8)", type=int)
+    return option(None, "tokens decoded per answer (passkey / needle 8, greedy 24; prefill-memory: generated after "
+                  "the prompt, 8)", type=int)
 
 
 # suite name -> module of this package that holds its `run` and its `OPTIONS`; peers and ablations are cache
@@ -180,11 +181,12 @@ def add_suite_arguments(p: argparse.ArgumentParser) -> None:
     help of the first suite that takes it); its default is left out of the namespace, so that `options_of` sees
     which flags were given."""
     added: set[str] = set()
+    by_class = _suites_by_class()
     takers: dict[str, list[str]] = {}
-    for cls, suites in _suites_by_class().items():
+    for cls, suites in by_class.items():
         for f in own_fields(cls):
             takers.setdefault(f.name, []).extend(suites)
-    for cls, suites in _suites_by_class().items():
+    for cls, suites in by_class.items():
         fields = own_fields(cls)
         if not fields:
             continue
@@ -206,7 +208,8 @@ def add_suite_arguments(p: argparse.ArgumentParser) -> None:
                 if meta.get("choices") is not None:
                     kwargs["choices"] = list(meta["choices"])
                 if default is not None:
-                    kwargs["help"] += f" (default {' '.join(map(str, default)) if isinstance(default, list) else default})"
+                    shown = " ".join(map(str, default)) if isinstance(default, list) else default
+                    kwargs["help"] += f" (default {shown})"
             others = [s for s in takers[f.name] if s not in suites]
             if others:
                 kwargs["help"] += f"; also {', '.join(others)}"

@@ -20,7 +20,7 @@ import gc
 import time
 from dataclasses import dataclass
 
-from ..isolated import in_fresh_process
+from ..isolated import in_fresh_process, status_kib
 from ..rows import Row, make_row
 from .options import SuiteOptions, new_tokens_option
 
@@ -37,14 +37,6 @@ class PrefillMemoryOptions(SuiteOptions):
 
 
 OPTIONS = PrefillMemoryOptions
-
-
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise ValueError(f"/proc/self/status has no {field}; this measurement needs Linux")
 
 
 def measure_one(model_name: str, spec: str, tokens: int, new: int, text: str, start: int,
@@ -70,7 +62,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, text: str, st
     ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the baseline RSS is what is live
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # reset VmHWM to the current RSS
-    before = _status_kib("VmRSS")
+    before = status_kib("VmRSS")
     t0 = time.perf_counter()
     with torch.no_grad():
         kwargs = {} if cache is None else {"past_key_values": cache}
@@ -78,7 +70,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, text: str, st
             kwargs["prefill_chunk_size"] = chunk or CompressedCache.prefill_chunk_size
         out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
     seconds = time.perf_counter() - t0
-    peak = _status_kib("VmHWM")
+    peak = status_kib("VmHWM")
     stats = memory_stats(cache) if cache is not None else {}  # peers (transformers' caches) too
     return {"peak_added_bytes": (peak - before) * 1024, "seconds": seconds, "cache_bytes": stats.get("bytes"),
             "new_tokens": int(out.shape[1] - ids.shape[1])}

@@ -20,7 +20,7 @@ import resource
 import time
 from dataclasses import dataclass
 
-from ..isolated import in_fresh_process
+from ..isolated import in_fresh_process, status_kib
 from ..rows import Row, make_row
 from .options import SuiteOptions, option
 
@@ -40,14 +40,6 @@ class ReconstructCostOptions(SuiteOptions):
 OPTIONS = ReconstructCostOptions
 
 
-def _rss_kib() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    raise ValueError("/proc/self/status has no VmRSS; this measurement needs Linux")
-
-
 def measure(model_name: str, tokens: int, variant: str, chunk: int) -> dict:
     """One variant in this process (see the module docstring): seconds and peak memory over the loaded model."""
     import torch
@@ -63,7 +55,7 @@ def measure(model_name: str, tokens: int, variant: str, chunk: int) -> dict:
     context = torch.tensor([ids])
     torch.set_grad_enabled(False)
     model(context[:, :64], past_key_values=DynamicCache(config=model.config), use_cache=True)  # first-call setup
-    base = _rss_kib()
+    base = status_kib("VmRSS")
     out: dict = {}
     t0 = time.perf_counter()
     if variant == "plain":
