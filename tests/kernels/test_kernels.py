@@ -12,6 +12,7 @@ from hf_kvcache.kernels.decode_attention import decode_attention, reference_atte
 from hf_kvcache.kernels.kivi_pack import kivi_keys_triton, kivi_values_triton
 from hf_kvcache.kernels.segments import FullSegment, QuantSegment
 from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
+from random_kv import token_segment
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET before triton loads"
 
@@ -340,28 +341,6 @@ def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, cap
         assert len(list((tmp_path / "build").glob("native_decode_*.so"))) == 1
         out, _ = decode_attention(q, [seg], use_native=True)
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
-
-
-def token_segment(b, h, t, d, dtype="int4", group_size=None, symmetric=None, prerope=False, pad=(0,), seed=0):
-    """A `TokenSegment` of the uniform cache's codes; with `prerope`, keys normalized pre-RoPE with statistics per row
-    and each row's true positions (the index minus its left padding `pad`)."""
-    from hf_kvcache.caches.uniform import UniformPreRopeKeys, UniformQuantOptions
-    from hf_kvcache.kernels.segments import TokenSegment
-    from hf_kvcache.rope import KeyRotation
-
-    g = torch.Generator().manual_seed(seed)
-    options = UniformQuantOptions(dtype=dtype, group_size=group_size, symmetric=symmetric)
-    options.validate()
-    k = torch.randn(b, h, t, d, generator=g) + 4 * torch.randn(1, h, 1, d, generator=g)  # channel offsets
-    v = torch.randn(b, h, t, d, generator=g)
-    if not prerope:
-        return TokenSegment(options.quantize(k), options.quantize(v))
-    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), attention_scaling=1.25)
-    codec = UniformPreRopeKeys(rope, options.bits, scale_power=0.5, per_row=True, options=options)
-    positions = (torch.arange(t)[None] - torch.tensor(pad)[:, None]).unsqueeze(1)  # [b or 1, 1, t]
-    pre = codec.derotate(k, positions)
-    codec.fit(pre)
-    return TokenSegment(codec.quantize_pre(pre), options.quantize(v), codec, positions)
 
 
 @pytest.mark.parametrize(
