@@ -14,7 +14,6 @@ repetition and cropping are implemented once here. A layer whose storage is not 
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -88,6 +87,7 @@ class CompressedLayer(DynamicLayer):
     mask_from_end = False  # the layer holds fewer slots than the mask's width: its columns are the mask's last ones
     fused_max_new = 64  # the fused attention serves forwards of at most this many new tokens (decode, small chunks)
     supports_sliding = False  # the class takes `sliding_window=` and keeps only what a sliding window can see
+    replans = False  # the layer takes new cache options after construction (`replan`)
     sliding_window: int | None = None
 
     def __init__(self, options: CacheOptions | None = None) -> None:
@@ -225,6 +225,10 @@ class CompressedLayer(DynamicLayer):
     def get_max_length(self) -> int:
         return -1
 
+    def replan(self, options: CacheOptions) -> None:
+        """Run with new cache `options` (only where `replans`; `CompressedCache.replace_options` checks first)."""
+        raise ValueError(f"{type(self).__name__} keeps the options it was built with")
+
     def reset(self) -> None:
         self.store = {}
         self.cumulative_length = 0
@@ -360,11 +364,34 @@ class CompressedCache(Cache):
         self._binding: FusedBinding | None = None
         self._padding: torch.Tensor | None = None
         if config is None:
-            super().__init__(layer_class_to_replicate=functools.partial(self.layer_class, self.options))
+            super().__init__(layer_class_to_replicate=self._new_layer)
             return
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         layers = [self._make_layer(t, kw, i) for i, (t, kw) in enumerate(zip(layer_types, layer_kwargs))]
         super().__init__(layers=layers)
+
+    def _new_layer(self):
+        """A layer of a cache built without a config, made at the model's first call of that layer: a full-attention
+        layer with the cache's options as they are then (`replace_options` reaches layers made later too)."""
+        return self._make_layer("full_attention", {}, len(self.layers))
+
+    def replace_options(self, options: CacheOptions) -> None:
+        """Run with `options` (this cache's options class) from the next sequence on: every compressed layer replans
+        (`CompressedLayer.replan`: at once if it holds nothing, else at `reset()`), layers made later take them.
+
+        Raises:
+            ValueError: options of another class, invalid options, or a layer that keeps the options it was built
+                with (`replans` False)."""
+        if type(options) is not type(self.options):
+            raise ValueError(f"replace_options takes {type(self.options).__name__}, got {type(options).__name__}")
+        options.validate()
+        fixed = sorted({type(layer).__name__ for layer in self._compressed_layers() if not layer.replans})
+        if fixed:
+            raise ValueError(f"{', '.join(fixed)} keep(s) the options they were built with: build a new "
+                             f"{type(self).__name__} with these options instead")
+        self.options = options
+        for layer in self._compressed_layers():
+            layer.replan(options)
 
     def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
         if layer_type == "full_attention":

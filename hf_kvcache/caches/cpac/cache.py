@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Any
 
@@ -35,8 +34,6 @@ class CPACCache(QuantizedSlidingLayers, CompressedCache):
         super().__init__(config, **options)
         self._attach_sliding_key_codecs(config)
         self._budget.options = self.options
-        if self.layer_class_to_replicate is not None:
-            self.layer_class_to_replicate = functools.partial(CPACLayer, self.options, self._budget, self._rotation)
 
     def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
         if layer_type == "full_attention":

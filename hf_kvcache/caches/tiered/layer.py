@@ -71,6 +71,8 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
     def _options_as_tiered(self) -> TieredQuantOptions:
         return self.options
 
+    replans = True
+
     def replan(self, options: CacheOptions) -> None:
         """Run with `options` from the next sequence on: at once if the layer holds nothing, else at `reset()` (the
         tiers already stored keep the widths and group sizes they were written with)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -31,8 +30,9 @@ class AdaptStep:
 
 
 class AdaptiveThresholds:
-    """Mixin for a cache whose `options` carry the two thresholds (`TieredQuantCache`; `threshold_fields` names the
-    option fields, e.g. `("residual_length", "bits")` for `KIVICache`) and whose layers take `replan(options)`.
+    """Mixin for a `CompressedCache` whose `options` carry the two thresholds (`TieredQuantCache`; `threshold_fields`
+    names the option fields, e.g. `("residual_length", "bits")` for `KIVICache`) and whose layers replan
+    (`CompressedCache.replace_options`: the cache hands new options to its layers, this mixin only chooses them).
 
     New thresholds take effect from the next sequence: a layer that holds tokens keeps its stored tiers as they are
     and switches at `cache.reset()` (an empty layer switches at once)."""
@@ -78,16 +78,8 @@ class AdaptiveThresholds:
         if not isinstance(thresholds, Thresholds):
             raise ValueError(f"set Thresholds, got {type(thresholds).__name__}")
         tail_field, bits_field = self.threshold_fields
-        options = dataclasses.replace(self.options, **{tail_field: thresholds.tail_length,
-                                                       bits_field: thresholds.archive_bits})
-        options.validate()  # replace() validated already; kept explicit for option classes without __post_init__
-        self.options = options
-        for layer in self.layers:
-            if hasattr(layer, "replan"):
-                layer.replan(options)
-        rep = getattr(self, "layer_class_to_replicate", None)  # a cache built without a config makes layers lazily
-        if isinstance(rep, functools.partial) and rep.args and type(rep.args[0]) is type(options):
-            self.layer_class_to_replicate = functools.partial(rep.func, options, *rep.args[1:], **rep.keywords)
+        self.replace_options(dataclasses.replace(self.options, **{tail_field: thresholds.tail_length,
+                                                                  bits_field: thresholds.archive_bits}))
         if reset_state:
             self.__dict__["_adapt_state"] = AdaptState()
 
