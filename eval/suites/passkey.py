@@ -327,11 +327,12 @@ def takes_budget(spec: CacheSpec, model) -> bool:
 
 
 def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[CacheSpec]:
-    """Each spec that takes a budget once per budget (labelled `label budget=B`), the others once."""
+    """Each spec that takes a budget once per budget (labelled `label budget=B`), the others once (a spec that sets
+    its own budget too: it keeps it)."""
     out: list[CacheSpec] = []
     takers = 0
     for spec in specs:
-        if not takes_budget(spec, model):
+        if not takes_budget(spec, model) or "budget" in spec.options:
             out.append(spec)
             continue
         takers += 1
@@ -339,8 +340,8 @@ def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[Ca
             value = int(b) if b > 1 and float(b).is_integer() else b  # 256 tokens, or 0.2 of the tokens seen
             out.append(CacheSpec(spec.name, {**spec.options, "budget": value}, f"{spec.label} budget={b:g}"))
     if not takers:
-        raise ValueError("--budgets applies to caches with a budget option (h2o); none of --caches takes one: add "
-                         "one, e.g. --caches dynamic h2o")
+        raise ValueError("--budgets applies to caches with a budget option (h2o) that do not set their own; none of "
+                         "--caches is one: add one, e.g. --caches dynamic h2o")
     for spec in out:  # a bad budget fails here, before the first trial
         spec.build(model)
     return out

@@ -162,7 +162,7 @@ def test_passkey_suite_runs_each_budget_of_a_budget_taking_cache(capsys, tmp_pat
         assert r["accuracy"] == float(r["results"][0]["correct"])
     assert main(["compare", "--suite", "passkey", "--tokens", "160", "--caches", "dynamic", "int4",
                  "--budgets", "0.5"]) == 2
-    assert "none of --caches takes one" in capsys.readouterr().err
+    assert "none of --caches is one" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -279,8 +279,19 @@ def test_question_mode_runs_quantizing_caches_and_bad_suite_input(tiny_model_dir
     for argv, message in [
         (["--tasks", "niah"], "unknown task(s) ['niah']"),
         (["--resume"], "--resume continues the sample rows"),
-        (["--caches", "int4", "--budgets", "0.5"], "none of --caches takes one"),
+        (["--caches", "int4", "--budgets", "0.5"], "none of --caches is one"),
     ]:
         assert main(["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", *argv]) == 2
         assert message in capsys.readouterr().err
     assert math.isclose(spread_depth(0), 0.5)
+
+
+def test_budgets_leave_a_cache_that_sets_its_own_budget_as_it_is(tiny_model_dir, tmp_path):
+    """`--budgets` expands `h2o` once per budget; `h2o-own`, which sets its own budget, runs once with it (it used to
+    be expanded too, each copy with the flag's budget under the spec's label)."""
+    path = tmp_path / "b.json"
+    assert main(["compare", "--suite", "ruler", "--model", tiny_model_dir, "--tokens", "512", "--task-samples", "1",
+                 "--tasks", "niah_single", "--caches", "dynamic", 'h2o-own=h2o:{"budget":0.5}', "h2o",
+                 "--budgets", "0.25", "--json", str(path)]) == 0
+    caches = sorted({r["cache"] for r in json.loads(path.read_text())})
+    assert caches == ["dynamic", "h2o budget=0.25", "h2o-own"]
