@@ -144,15 +144,16 @@ def run_benchmark(
     decode_steps: int = 16,
     progress: bool = True,
     loop: str = "attached",
+    dtype: torch.dtype = torch.float32,
 ) -> list[dict]:
-    """One row per spec; the first spec is the baseline for `delta_pct`.
+    """One row per spec; the first spec is the baseline for `delta_pct` (`dtype`: the model's).
 
     `loop`: one of `LOOPS`: "attached" runs each cache inside `attached(model, cache)`, as `generate` does (the
     "hf_kvcache" attention, which reports queries to the cache and reads its codes in place); "plain" the user's own
     loop `model(ids, past_key_values=cache)` with the model's own attention (served where a layer asks); "unserved"
     that loop with nothing reported to the cache. Rows carry `loop`."""
     torch.manual_seed(0)
-    model, tokenizer = load_model(model_name)
+    model, tokenizer = load_model(model_name, dtype=dtype)
     ids = load_tokens(tokenizer, load_text(text), start, tokens + decode_steps)
     stream, extra = ids[:, :tokens], ids[:, tokens:]
     for spec in specs:  # every spec checked before the first row is measured: a bad one costs no finished rows

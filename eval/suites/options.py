@@ -97,6 +97,14 @@ def device_option() -> Any:
     return option(None, "cuda or cpu (default: cuda when visible)", type=str)
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype_option() -> Any:
+    return option("float32", "the dtype the model is loaded in (its caches store keys / values in it; the "
+                  "perplexity is taken from float32 logits either way)", choices=list(MODEL_DTYPES))
+
+
 def loop_option() -> Any:
     from ..bench import LOOPS
 

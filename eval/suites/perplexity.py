@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..bench import LOOPS, parse_specs, run_benchmark
 from ..rows import Row, make_row
-from .options import SuiteOptions, decode_steps_option, loop_option
+from .options import SuiteOptions, decode_steps_option, loop_option, model_dtype_option
 
 PEERS = [
     "dynamic",
@@ -67,6 +69,7 @@ class PerplexityOptions(SuiteOptions):
 
     decode_steps: int | None = decode_steps_option()
     loop: str = loop_option()
+    model_dtype: str = model_dtype_option()
 
 
 OPTIONS = PerplexityOptions
@@ -80,5 +83,6 @@ def run(opts: PerplexityOptions) -> list[Row]:
     tokens = opts.one_length(DEFAULT_TOKENS[opts.suite])
     steps = 16 if opts.decode_steps is None else opts.decode_steps
     rows = run_benchmark(specs, opts.model, opts.text, opts.start, tokens, opts.chunk or 32, steps,
-                         progress=opts.progress, loop=opts.loop)
-    return [make_row(opts.suite, r.pop("cache"), opts.model, r.pop("tokens"), **r) for r in rows]
+                         progress=opts.progress, loop=opts.loop, dtype=getattr(torch, opts.model_dtype))
+    extra = {} if opts.model_dtype == "float32" else {"model_dtype": opts.model_dtype}
+    return [make_row(opts.suite, r.pop("cache"), opts.model, r.pop("tokens"), **r, **extra) for r in rows]
