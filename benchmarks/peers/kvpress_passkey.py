@@ -50,6 +50,8 @@ def make_press(name: str, ratio: float):
         "knorm": lambda: kvpress.KnormPress(compression_ratio=ratio),
         "tova": lambda: kvpress.TOVAPress(compression_ratio=ratio),
         "expected_attention": lambda: kvpress.ExpectedAttentionPress(compression_ratio=ratio),
+        # context reconstruction (kvpress's defaults: budgets ranked across layers, 2048-token replay chunks)
+        "kvzip": lambda: kvpress.KVzipPress(compression_ratio=ratio),
     }
     if name not in presses:
         raise SystemExit(f"unknown press {name!r}; choose from {sorted(presses)}")
