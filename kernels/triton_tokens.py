@@ -17,7 +17,8 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .segments import TokenSegment
-from .triton_decode import _online_step, _scores, _store_partial, interpreting, merge_splits, padded_rows, split_plan
+from .triton_decode import (_online_step, _program, _scores, _store_partial, interpreting, merge_splits, padded_rows,
+                            split_plan)
 from .triton_quant import _code_rows
 
 # the launch: tiles of 16 tokens, 8 warps: the setting with no register spill and >= 25 % occupancy on sm_90 for the
@@ -76,12 +77,7 @@ def _token_attn_kernel(
     K_BITS: tl.constexpr, V_BITS: tl.constexpr, K_GROUP: tl.constexpr, V_GROUP: tl.constexpr,
     K_ZERO: tl.constexpr, V_ZERO: tl.constexpr, DOT_F32: tl.constexpr, FAST_TRIG: tl.constexpr,
 ):
-    bh = tl.program_id(0)
-    split = tl.program_id(1)
-    n_split = tl.num_programs(1)
-    b = bh // kv_heads
-    rows = tl.arange(0, M_PAD)
-    cols = tl.arange(0, D)
+    bh, split, n_split, b, rows, cols, q = _program(q_ptr, kv_heads, M_PAD, D)  # q unused (DCE'd) with PREROPE
     m_i = tl.full([M_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([M_PAD], tl.float32)
     acc = tl.zeros([M_PAD, D], tl.float32)
@@ -108,8 +104,6 @@ def _token_attn_kernel(
         cscale1 = tl.load(cscale_ptr + stats + half)
         cscale2 = tl.load(cscale_ptr + stats + HALF + half)
         freq = tl.load(freq_ptr + half)
-    else:
-        q = tl.load(q_rows + cols[None, :])
     t_start = split * tokens_per_split
     t_end = tl.minimum(t_start + tokens_per_split, n_tok)
     for t0 in range(t_start, t_end, BLOCK):
