@@ -92,9 +92,9 @@ def _token_attn_kernel(
     vs = vs_ptr + bh * n_tok * VG
     vz = vz_ptr + bh * n_tok * VG
     HALF: tl.constexpr = D // 2
-    q_rows = q_ptr + bh * M_PAD * D + rows[:, None] * D
     if PREROPE:
         # rotate_half pairs channel d with d + D/2: the keys are read, and the scores summed, in two halves
+        q_rows = q_ptr + bh * M_PAD * D + rows[:, None] * D
         half = tl.arange(0, HALF)
         q1 = tl.load(q_rows + half[None, :])
         q2 = tl.load(q_rows + HALF + half[None, :])

@@ -32,6 +32,7 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
     """
 
     options: TieredQuantOptions
+    replans = True  # new thresholds from `AdaptiveThresholds` reach the layer (`replan`)
 
     def __init__(self, options: TieredQuantOptions | None = None, sliding_window: int | None = None) -> None:
         super().__init__(options if options is not None else TieredQuantOptions())
@@ -70,8 +71,6 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
 
     def _options_as_tiered(self) -> TieredQuantOptions:
         return self.options
-
-    replans = True
 
     def replan(self, options: CacheOptions) -> None:
         """Run with `options` from the next sequence on: at once if the layer holds nothing, else at `reset()` (the
