@@ -101,6 +101,8 @@ class EvictionPolicy:
     crop_queries: ClassVar[int] = DEFAULT_CROP_WINDOW  # queries kept, while nothing was evicted, so that `crop` can
     # take out the mass they gave (read only when the policy `uses_mass`)
     sink_count: ClassVar[int] = 0  # first real tokens always kept (attention sinks)
+    joint_layers: ClassVar[bool] = False  # the layers share the budget by one ranking of all their scores (scored
+    # between forwards: `caches.evict.reconstruct.share_across_layers`) instead of each keeping its own
     ragged_heads: ClassVar[bool] = False  # the heads of a layer share its budget (`select_across_heads`, Ada-KV)
     # instead of each keeping `budget` slots (`select`)
     merging: ClassVar["EvictionPolicy | None"] = None  # the `policy.wrappers.Merge` that folds evicted tokens into

@@ -9,8 +9,13 @@ of the group gives the slot (`reduce="max"`; `"sum"`: their sum); the repeat tok
 holds the policy and that reduction (`reconstruction_scores`); the driver that runs the model is in the cache
 package. Tokens that came after the last scoring (a question, the answer being decoded) carry no score
 (`UNSCORED`): they rank above every scored token, the newest first, so a budget kept while the answer grows evicts
-the lowest-scored context first. Without any scoring the policy is a recency window. Options: `chunk`, `reduce`, and
-the recent window / `value_norm` of `policy.options.AttentionPolicy`.
+the lowest-scored context first. Without any scoring the policy is a recency window. Options: `chunk`, `reduce`,
+`scope`, `layer_budgets`, `sink_length`, and the recent window / `value_norm` of `policy.options.AttentionPolicy`.
+
+`scope="span"` and `layer_budgets="joint"` with `sink_length=4` and `chunk=2048` are the choices of the KVzip paper:
+each repeat query's softmax runs over the sinks, the span it repeats and the repeat tokens only (so a token's score
+does not shrink with the length of the context), and one ranking over every layer (and, wrapped in `AdaKV`, every
+head) decides how many tokens each layer keeps.
 """
 
 from __future__ import annotations
@@ -23,37 +28,59 @@ import torch
 from ..options import check_choice, check_positive_int
 from .attention import window_logits
 from .base import INF, SlotView
-from .options import AttentionPolicy
+from .options import AttentionPolicy, WithSinks
 
 UNSCORED = -1.0  # the score of a slot no reconstruction has scored yet (scores are >= 0)
 REDUCTIONS = ("max", "sum")
+SCOPES = ("context", "span")  # what a repeat query's softmax runs over (besides the repeat tokens)
+LAYER_BUDGETS = ("uniform", "joint")
 DEFAULT_CHUNK = 512
 QUERY_BLOCK = 64  # repeat queries whose attention is computed at once (bounds the extra memory)
 
 
 @dataclass(kw_only=True)
-class ReconstructionPolicy(AttentionPolicy):
-    """Options: `chunk` (repeated context tokens per scoring forward, default 512), `reduce` ("max": the largest
-    attention a repeat query gives a slot; "sum": their sum), and those of `AttentionPolicy`."""
+class ReconstructionPolicy(WithSinks, AttentionPolicy):
+    """Options:
+
+    - `chunk`: repeated context tokens per scoring forward (default 512).
+    - `reduce`: "max" (the largest attention a repeat query gives a slot) or "sum" (their sum).
+    - `scope`: "context" (a repeat query's softmax runs over the whole held context and the repeat tokens) or "span"
+      (over the first `sink_length` tokens, the span being repeated and the repeat tokens; the repeat of a later
+      span starts with the `LEAD_TOKENS` tokens before it).
+    - `layer_budgets`: "uniform" (every layer keeps the budget) or "joint" (the layers share `budget x layers` by one
+      ranking of all their scores, `caches.evict.reconstruct.share_across_layers`; the mean stays the budget).
+    - `sink_length`: the first real tokens always kept (default 0), and always in the softmax of scope "span".
+    - those of `AttentionPolicy` (the recent window, `value_norm`).
+    """
 
     name: ClassVar[str] = "reconstruct"
     default_recent_share: ClassVar[float] = 0.0
     scored_outside: ClassVar[bool] = True
     chunk: int = DEFAULT_CHUNK
     reduce: str = "max"
+    scope: str = "context"
+    layer_budgets: str = "uniform"
+    sink_length: int = 0
 
     def validate(self) -> None:
         super().validate()
         check_positive_int("chunk", self.chunk)
         check_choice("reduce", self.reduce, REDUCTIONS)
+        check_choice("scope", self.scope, SCOPES)
+        check_choice("layer_budgets", self.layer_budgets, LAYER_BUDGETS)
+
+    @property
+    def joint_layers(self) -> bool:
+        """Whether the layers share one budget by a joint ranking (`layer_budgets="joint"`)."""
+        return self.layer_budgets == "joint"
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
-        _, recent = self.split(budget)
+        sinks, recent = self.split(budget)
         scores = view.scores
         unscored = scores < 0
         # tokens newer than the last scoring: above every scored token, the newest first
         above = scores.clamp_min(0).amax(-1, keepdim=True) + 1 + view.positions.float()
-        return torch.where(unscored, above, scores).masked_fill(view.last(recent), INF)
+        return torch.where(unscored, above, scores).masked_fill(view.first(sinks) | view.last(recent), INF)
 
 
 def reconstruction_scores(queries: torch.Tensor, query_positions: torch.Tensor, query_valid: torch.Tensor,

@@ -88,7 +88,7 @@ class PolicyWrapper(EvictionPolicy):
 
 FORWARDED = ("needs_scores", "ranks_by_attention", "uses_keys", "uses_queries", "uses_mass", "scored_outside",
              "value_weighted",
-             "by_output_error", "mass_decay", "crop_queries", "sink_count", "ragged_heads", "merging")
+             "by_output_error", "mass_decay", "crop_queries", "sink_count", "ragged_heads", "merging", "joint_layers")
 for _name in FORWARDED:  # what a wrapper does not change, it answers as the policy it wraps
     setattr(PolicyWrapper, _name, _forwarded(_name))
 
@@ -161,6 +161,9 @@ class Pyramid(PolicyWrapper):
                 f"pyramid must be a number in [0, 1) (layer budgets from (1 + pyramid) x budget in the first layer "
                 f"down to (1 - pyramid) x in the last), got {p!r}"
             )
+        if self.policy.joint_layers:
+            raise ValueError("pyramid sets fixed per-layer budgets, layer_budgets='joint' shares them by the scores: "
+                             "set one of them")
 
     def layer_scales(self, layers: int) -> list[float]:
         """1 + slope in the first layer down to 1 - slope in the last, linearly (the mean stays 1)."""

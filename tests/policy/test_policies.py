@@ -162,7 +162,7 @@ def test_h2o_decay_fades_old_mass():
         (dict(policy="snapkv", window=0), "window must be a positive integer"),
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
         (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
-        (dict(policy="knorm", sink_length=2), r"sink_length applies to the sinks / hybrid / expected policies"),
+        (dict(policy="knorm", sink_length=2), r"sink_length applies to the sinks / hybrid / expected / reconstruct policies"),
         (dict(budget=100, min_budget=10), "min_budget applies to a ratio budget"),
         (dict(min_budget=0), "min_budget must be a positive integer"),
         (dict(policy="knorm", head_budgets=True), "head_budgets shares a layer's budget across its heads"),

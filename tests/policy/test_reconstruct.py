@@ -8,10 +8,13 @@ import pytest
 import torch
 from policy_contract import B, H, tiny_model
 
+from transformers import DynamicCache
+
 from hf_kvcache import H2OCache
-from hf_kvcache.caches.evict.reconstruct import held_for_scoring, score_context
+from hf_kvcache.caches.evict.reconstruct import LEAD_TOKENS, held_for_scoring, score_context
 from hf_kvcache.policy import ReconstructionPolicy
 from hf_kvcache.policy.reconstruct import UNSCORED
+from hf_kvcache.policy.wrappers import AdaKV, Pyramid
 
 PROMPT = [5, 6, 7]
 
@@ -25,15 +28,20 @@ def _ids(seed: int, n: int = 40) -> torch.Tensor:
     return torch.randint(0, 97, (B, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _reference_scores(model, ids: torch.Tensor, chunk: int, mask: torch.Tensor | None = None) -> list[torch.Tensor]:
+def _reference_scores(model, ids: torch.Tensor, chunk: int, mask: torch.Tensor | None = None,
+                      sinks: int | None = None) -> list[torch.Tensor]:
     """Per layer `[B, H, n]`: the largest attention probability any query of `PROMPT + span` (over the context +
-    itself, eager attention of a DynamicCache) gives each context token, for every span of `chunk` tokens."""
+    itself, eager attention of a DynamicCache) gives each context token, for every span of `chunk` tokens.
+    `sinks` (scope "span"): each span's repeat starts with the `LEAD_TOKENS` tokens before it, and the probabilities
+    are renormalized over the first `sinks` context tokens, the span and the repeat tokens."""
     n = ids.shape[1]
     mask = torch.ones_like(ids) if mask is None else mask
     best = None
     for start in range(0, n, chunk):
-        span = torch.cat([torch.tensor([PROMPT] * B), ids[:, start : start + chunk]], 1)
-        span_mask = torch.cat([torch.ones(B, len(PROMPT), dtype=torch.long), mask[:, start : start + chunk]], 1)
+        lead = 0 if sinks is None else min(start, LEAD_TOKENS)
+        span = torch.cat([torch.tensor([PROMPT] * B), ids[:, start - lead : start + chunk]], 1)
+        span_mask = torch.cat([torch.ones(B, len(PROMPT), dtype=torch.long), mask[:, start - lead : start + chunk]],
+                              1)
         full = torch.cat([ids, span], 1)
         full_mask = torch.cat([mask, span_mask], 1)
         positions = (full_mask.cumsum(1) - 1).clamp_min(0)
@@ -43,7 +51,15 @@ def _reference_scores(model, ids: torch.Tensor, chunk: int, mask: torch.Tensor |
         w = span.shape[1]
         part = []
         for att in out.attentions:  # [B, heads, n + w, n + w]
-            a = att[:, :, -w:, :n] * span_mask[:, None, :, None]  # padding queries give nothing
+            att = att[:, :, -w:]
+            if sinks is not None:
+                keep = torch.ones(B, n + w, dtype=torch.bool)
+                pos = torch.arange(n)
+                real = mask.bool() & (mask.cumsum(1) > 0)
+                keep[:, :n] = real & ((mask.cumsum(1) <= sinks) | ((pos >= start) & (pos < start + chunk)))
+                att = att * keep[:, None, None]
+                att = att / att.sum(-1, keepdim=True)
+            a = att[..., :n] * span_mask[:, None, :, None]  # padding queries give nothing
             part.append(a.reshape(B, H, -1, w, n).amax(dim=(2, 3)))
         best = part if best is None else [torch.maximum(x, y) for x, y in zip(best, part)]
     return best
@@ -122,11 +138,75 @@ def test_compress_once_ask_many(model):
     assert ratio.tokens_held() == 23 and (pos[..., -6:] == torch.arange(40, 46)).all()
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("sinks", [0, 3])
+def test_span_scope_scores_each_token_by_the_repeat_of_its_span(model, sinks):
+    """scope="span": a token's score is the largest attention the repeat of its own span gives it, the softmax taken
+    over the sinks, that span and the repeat tokens (eager attention of the same sequence, renormalized, as
+    reference); later spans' repeats start with the tokens before them."""
+    ids = _ids(11)
+    policy = ReconstructionPolicy(chunk=16, scope="span", sink_length=sinks)
+    cache = H2OCache(config=model.config, budget=1.0, policy=policy)
+    model(ids, past_key_values=cache)
+    score_context(model, cache, ids, PROMPT)
+    for layer, ref in zip(cache.layers, _reference_scores(model, ids, 16, sinks=sinks)):
+        torch.testing.assert_close(layer.held_scores(), ref, atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("ragged", [False, True])
+def test_joint_layer_budgets(model, ragged):
+    """layer_budgets="joint": `evict_to` keeps, over all layers together, the best-scored slots (each layer its
+    share of them, rounded up to whole tokens per head; the sinks in every layer), so a layer may hold more than the
+    first; the next forward then gives the logits of a DynamicCache holding the same tokens."""
+    ids = _ids(12)[:1]
+    core = ReconstructionPolicy(chunk=16, scope="span", layer_budgets="joint", sink_length=2)
+    cache = H2OCache(config=model.config, budget=1.0, policy=AdaKV(core, floor=0.0) if ragged else core)
+    model(ids, past_key_values=cache)
+    score_context(model, cache, ids, PROMPT)
+    last = cache.layers[-1]
+    last.slots.scores = last.slots.scores * 3  # the last layer's tokens now outrank most of the first's
+    ranked = torch.stack([layer.held_scores()[0] for layer in cache.layers])  # [layers, H, n]
+    ranked[..., :2] = float("inf")
+    best = torch.zeros(ranked.numel(), dtype=torch.bool)
+    best[ranked.flatten().topk(10 * H * len(cache.layers)).indices] = True
+    best = best.view_as(ranked)
+    cache.evict_to(10)
+    counts = []
+    for i, layer in enumerate(cache.layers):
+        kept = torch.zeros(H, 40, dtype=torch.bool)
+        for h, pos in enumerate(layer.held_positions()[0]):
+            kept[h, pos[pos >= 0].long()] = True
+        assert kept[:, :2].all()  # the sinks
+        share = int(best[i].sum())
+        if ragged:  # the heads share the layer's budget: its share of the joint best, at most H - 1 slots over
+            assert (kept >= best[i]).all() and 0 <= int(kept.sum()) - share < H
+        else:  # each head keeps the layer's budget, its share rounded up to whole tokens per head
+            assert (kept.sum(-1) == -(-share // H)).all()
+        counts.append(int(kept.sum()))
+    assert counts[-1] > counts[0] and abs(sum(counts) - 10 * H * len(counts)) < H * len(counts)
+    if not ragged:  # the same tokens in a DynamicCache, decoded one token at a time
+        ref = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            ref.update(layer.held_keys(), layer._plain(layer.slots.values), i)
+        nxt, pos = _ids(13, 3)[:1], torch.arange(40, 43)[None]
+        got = model(nxt, past_key_values=cache, position_ids=pos).logits
+        want = torch.cat([model(nxt[:, t : t + 1], past_key_values=ref, position_ids=pos[:, t : t + 1]).logits
+                          for t in range(3)], 1)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="reduce='mean' is not valid"):
         ReconstructionPolicy(reduce="mean")
     with pytest.raises(ValueError, match="chunk"):
         ReconstructionPolicy(chunk=0)
+    with pytest.raises(ValueError, match="scope='all' is not valid"):
+        ReconstructionPolicy(scope="all")
+    with pytest.raises(ValueError, match="layer_budgets='pyramid' is not valid"):
+        ReconstructionPolicy(layer_budgets="pyramid")
+    with pytest.raises(ValueError, match="set one of them"):
+        Pyramid(ReconstructionPolicy(layer_budgets="joint"), 0.3)
 
 
 @torch.inference_mode()

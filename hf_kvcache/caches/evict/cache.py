@@ -25,6 +25,7 @@ from ..base import CompressedCache, CompressedLayer
 from ..window import QuantizedWindowLayer
 from .layer import MISSING_MASS, H2OLayer
 from .options import EvictOptions
+from .reconstruct import share_across_layers
 
 
 class H2OCache(CompressedCache):
@@ -79,16 +80,30 @@ class H2OCache(CompressedCache):
             raise ValueError(
                 f"protect_last must be an int in [0, tokens={tokens}] (the newest tokens kept), got {protect_last!r}"
             )
-        for layer in self.layers:
-            if not isinstance(layer, H2OLayer) or layer.slots is None:
-                continue
+        layers = [layer for layer in self.layers if isinstance(layer, H2OLayer) and layer.slots is not None]
+        for layer in layers:
             if layer._pending:
                 raise RuntimeError(MISSING_MASS.format(cls=type(layer).__name__, policy=layer.policy.core.name))
+        if layers and self.options.policy.core.joint_layers:
+            share_across_layers(layers, tokens, protect_last)
+        for layer in layers:
             budget = max(protect_last, 1, round(tokens * layer.budget_scale))
             layer._expand()
             layer.evict(budget, protect_last)  # ragged heads: compact again
             if layer.ring is not None and len(layer.ring) > layer.query_window:  # evicted: crop can no longer undo
                 layer.ring = layer.ring.last(layer.query_window) if layer.query_window else None
+
+    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        """(keys, offset) of the mask of layer `layer_idx`'s kind, built for the evicting layer that holds the most
+        slots (per-layer budgets: `Pyramid`, joint layer budgets); a layer holding fewer reads its last columns
+        (`H2OLayer.mask_from_end`). Takes the arguments of `transformers.Cache.get_mask_sizes`."""
+        kv_length, kv_offset = super().get_mask_sizes(*args, **kwargs)
+        layer_idx = kwargs["layer_idx"] if "layer_idx" in kwargs else (args[1] if len(args) > 1 else 0)
+        layer = self.layers[layer_idx] if layer_idx < len(self.layers) else None
+        if not isinstance(layer, H2OLayer) or layer.slots is None:
+            return kv_length, kv_offset
+        extra = max(other.tokens_held() for other in self.layers if isinstance(other, H2OLayer)) - layer.tokens_held()
+        return kv_length + extra, kv_offset - extra
 
     def tokens_held(self, layer_idx: int = 0) -> int:
         """Slots held per (row, KV head) by layer `layer_idx`."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Sequence
 
 import torch
 
+from ...policy.base import INF
 from ...policy.reconstruct import reconstruction_scores
 from .layer import H2OLayer
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from .cache import H2OCache
 
 RECONSTRUCTION_PROMPT = "\n\nRepeat the text above, word for word:\n\n"
+LEAD_TOKENS = 8  # scope "span": the repeat of a later span starts with this many context tokens before it
 
 
 def reconstruction_prompt_ids(tokenizer: Any, prompt: str = RECONSTRUCTION_PROMPT) -> list[int]:
@@ -50,12 +52,16 @@ def reconstruction_prompt_ids(tokenizer: Any, prompt: str = RECONSTRUCTION_PROMP
 class ContextScoring:
     """One layer's state during one reconstruction forward: `queries` (W, the forward's tokens), `query_valid
     [batch, W]` (False: padding of the repeated span), `reduce`, and `best [batch, kv_heads, scored]`, the reduction
-    over every forward so far (None before the first)."""
+    over every forward so far (None before the first). `span` (scope "span"): the positions `[start, end)` of the
+    context tokens this forward repeats, which with the first `sinks` real tokens are the only held tokens its
+    softmax runs over; None: over every held token."""
 
     queries: int
     query_valid: torch.Tensor
     reduce: str
     best: torch.Tensor | None = None
+    span: tuple[int, int] | None = None
+    sinks: int = 0
 
     def observe(self, layer: H2OLayer, queries: torch.Tensor, scaling: float) -> None:
         """The forward's queries `[batch, heads, W, head_dim]` reported by the attention of `layer` (whose slots hold
@@ -63,6 +69,10 @@ class ContextScoring:
         s, w = layer.slots, self.queries
         scored = s.positions.shape[2] - w
         key_valid = s.valid.clone()
+        if self.span is not None:
+            held, pos = key_valid[:, :, :scored], s.positions[:, :, :scored]
+            sink = held & (held.cumsum(-1) <= self.sinks)
+            key_valid[:, :, :scored] = sink | (held & (pos >= self.span[0]) & (pos < self.span[1]))
         key_valid[:, :, scored:] = self.query_valid[:, None].to(key_valid.device)
         seen = layer.cumulative_length
         positions = torch.arange(seen - w, seen, device=queries.device)
@@ -111,14 +121,18 @@ def score_context(model: Any, cache: "H2OCache", context_ids: torch.Tensor | Seq
     seen_mask = torch.cat([mask, mask.new_ones(b, seen - n)], 1)  # tokens after the context: no padding
     prompt = torch.as_tensor(list(prompt_ids), dtype=ids.dtype, device=ids.device)[None].expand(b, -1)
     policy = layers[0].policy.core
+    local = policy.scope == "span"
     best: list[torch.Tensor | None] = [None] * len(layers)
     for start in range(0, n, policy.chunk):
-        span_mask = torch.cat([mask.new_ones(prompt.shape), mask[:, start : start + policy.chunk]], 1)
-        span = torch.cat([prompt, ids[:, start : start + policy.chunk]], 1)
+        end = min(n, start + policy.chunk)
+        lead = min(start, LEAD_TOKENS) if local else 0  # a later span's repeat starts with the tokens before it
+        span_mask = torch.cat([mask.new_ones(prompt.shape), mask[:, start - lead : end]], 1)
+        span = torch.cat([prompt, ids[:, start - lead : end]], 1)
         positions = (seen_mask.sum(1, keepdim=True) + span_mask.cumsum(1) - 1).clamp_min(0)
         saved = _snapshot(cache)
         for layer, prev in zip(layers, best):
-            layer.scoring = ContextScoring(span.shape[1], span_mask.bool(), policy.reduce, prev)
+            layer.scoring = ContextScoring(span.shape[1], span_mask.bool(), policy.reduce, prev,
+                                           (start, end) if local else None, policy.sink_count)
             layer.wants_attention_mass = False  # the queries are all this forward needs: plain attention
         try:
             model(input_ids=span, attention_mask=torch.cat([seen_mask, span_mask], 1), position_ids=positions,
@@ -150,8 +164,41 @@ def held_for_scoring(model: Any, cache: Any, context_ids: torch.Tensor | Sequenc
             layer.hold = False
     if layers:
         score_context(model, cache, context_ids, prompt_ids, attention_mask)
+        if layers[0].policy.core.joint_layers:
+            share_across_layers(layers, layers[0].options.budget_for(layers[0].cumulative_length))
         for layer in layers:
             layer.evict()
+
+
+def share_across_layers(layers: list[H2OLayer], tokens: int, protect_last: int = 0) -> None:
+    """Per-layer budgets from one ranking of every layer's scores (`layer_budgets="joint"`): of all `(layer, head,
+    slot)` of a row, the `tokens x kv_heads x len(layers)` best (by `policy.ranked`, sinks and the `protect_last`
+    newest tokens first) are counted per layer, and each layer's `budget_scale` becomes its count over `tokens x
+    kv_heads` (averaged over the rows; the mean over the layers stays 1). Evicts nothing: the layers' next eviction
+    keeps `scale x` their budget (per head, or shared by the heads with `AdaKV`).
+
+    Args:
+        layers: the scored layers of one cache (`scored_layers`), each with the same KV heads.
+        tokens: the budget per (row, KV head) the layers keep on average.
+        protect_last: the newest real tokens every layer keeps whatever their score (`H2OCache.evict_to`).
+    """
+    ranked = []
+    for layer in layers:
+        compact = layer.counts is not None
+        layer._expand()
+        view, _ = layer.slot_view()
+        ranked.append(layer.policy.ranked(view, tokens, protect_last, across_heads=True).flatten(1))
+        if compact:
+            layer._compact(layer.slots.positions >= 0)
+    heads = layers[0].slots.valid.shape[1] if layers[0].counts is None else layers[0].counts.shape[1]
+    flat = torch.cat(ranked, 1)  # [batch, sum of heads x slots]
+    top = flat.topk(min(flat.shape[1], tokens * heads * len(layers)), dim=-1)
+    ends = torch.tensor([r.shape[1] for r in ranked], device=flat.device).cumsum(0)
+    owner = torch.bucketize(top.indices, ends, right=True)  # [batch, kept]: the layer of each kept slot
+    counts = torch.zeros(flat.shape[0], len(layers), device=flat.device)
+    counts.scatter_add_(1, owner, (top.values > -INF).float())  # slots that hold no real token are not kept
+    for layer, share in zip(layers, (counts.mean(0) / (tokens * heads)).tolist()):
+        layer.budget_scale = share
 
 
 def _snapshot(cache: Any) -> list[tuple[Any, dict, dict | None]]:

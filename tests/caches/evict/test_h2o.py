@@ -41,7 +41,7 @@ def kept_positions(cache, layer=0):
         (dict(recent_ratio=0.5, heavy_ratio=0.5), "give at most one of"),
         (dict(policy="recent", recent_length=8), "recent_length applies to the .* policies, not 'recent'"),
         (dict(policy="strided", heavy_ratio=0.5), "heavy_ratio applies to the h2o / tova / .* policies, not 'strided'"),
-        (dict(policy="h2o", sink_length=4), "sink_length applies to the sinks / hybrid / expected policies"),
+        (dict(policy="h2o", sink_length=4), "sink_length applies to the sinks / hybrid / expected / reconstruct policies"),
         (dict(recent_ratio=2.0), r"recent_ratio must be a number in \[0, 1\]"),
         (dict(bogus=1), r"unknown option\(s\) \['bogus'\]"),
         (dict(evict_every=0), "evict_every must be"),
