@@ -196,6 +196,40 @@ def test_joint_layer_budgets(model, ragged):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
+@torch.inference_mode()
+def test_joint_layer_budgets_left_padded_batch(model):
+    """Joint layer budgets on a left-padded batch: the padding goes first, and each row's next logits are those of
+    a DynamicCache holding that row's kept tokens (the shared mask is built for the layer holding the most)."""
+    ids = _ids(14)
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    core = ReconstructionPolicy(chunk=16, scope="span", layer_budgets="joint", sink_length=2)
+    cache = H2OCache(config=model.config, budget=1.0, policy=core)
+    model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache)
+    score_context(model, cache, ids, PROMPT, attention_mask=mask)
+    last = cache.layers[-1]
+    last.slots.scores = last.slots.scores * 3
+    cache.evict_to(12)
+    held = [layer.tokens_held() for layer in cache.layers]
+    assert held[-1] > held[0]
+    refs = []  # each row's kept tokens in a DynamicCache
+    for row in range(B):
+        ref = DynamicCache()
+        for i, layer in enumerate(cache.layers):
+            assert layer.held_valid()[row].all()  # the padding went first
+            ref.update(layer.held_keys()[row : row + 1], layer._plain(layer.slots.values)[row : row + 1], i)
+        refs.append(ref)
+    nxt = _ids(15, 3)
+    got = model(nxt, attention_mask=torch.cat([mask, torch.ones(B, 3, dtype=torch.long)], 1),
+                position_ids=positions[:, -1:] + 1 + torch.arange(3), past_key_values=cache).logits
+    for row, ref in enumerate(refs):
+        start = int(positions[row, -1]) + 1
+        want = torch.cat([model(nxt[row : row + 1, t : t + 1], past_key_values=ref,
+                                position_ids=torch.tensor([[start + t]])).logits for t in range(3)], 1)
+        torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=0)
+
+
 def test_options_are_checked():
     with pytest.raises(ValueError, match="reduce='mean' is not valid"):
         ReconstructionPolicy(reduce="mean")
