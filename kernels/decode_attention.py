@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from . import native
+from . import native, native_step
 from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
 from .segments import FullSegment, QuantSegment, Segment, TokenSegment, dense_segments, split_overlays
@@ -99,6 +99,10 @@ def decode_attention(
         part = _token_step_native(q, segments, attention_mask, total, group)
         if part is not None:
             out, _ = finish(part)
+            return ungroup_rows(out, hq, q_len).to(query.dtype), None
+    if not (return_mass or use_triton or use_native is False or q_len != 1):
+        out = _segments_step_native(q, segments, overlays, attention_mask, total, group)
+        if out is not None:
             return ungroup_rows(out, hq, q_len).to(query.dtype), None
     partials, quant_spans, dense, start = [], [], [], 0
     rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
@@ -218,6 +222,44 @@ def _token_step_native(q, segments: list[Segment], attention_mask, total: int, g
         key_valid = cols[:, : seg.tokens].expand(q.shape[0], -1)
     dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
     return native.token_partial_native(q, seg, key_valid, dense=(dk, dv))
+
+
+def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment], attention_mask, total: int,
+                          group: int) -> torch.Tensor | None:
+    """The normalized output `[B, H, group, D]` of a one-position step over quantized segments followed by full-
+    precision ones (and overlays), in one native call (`native_step`: the tiered layer's step); None where that does
+    not apply (a per-token segment, a quantized segment after full-precision ones, an overlay over full-precision
+    columns, no variant)."""
+    b = q.shape[0]
+    cols = None if attention_mask is None else _column_mask(attention_mask, 0, total, 1, total, False)[:, 0, -1]
+    quant, dense, rotated, start = [], [], {}, 0
+    for seg in segments:
+        stop = start + seg.tokens
+        if isinstance(seg, QuantSegment) and not dense:
+            seg.check()
+            valid = None if cols is None else cols[:, start:stop].expand(b, -1)
+            hidden = _overlaid_columns(overlays, start, stop, q.device)
+            if hidden is not None:
+                valid = ~hidden.expand(b, -1) if valid is None else valid & ~hidden
+            q_seg = q
+            if seg.k_rotation is not None:
+                q_seg = rotated.get(id(seg.k_rotation))
+                if q_seg is None:
+                    q_seg = rotated[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
+            quant.append((q_seg, seg, valid))
+        elif isinstance(seg, FullSegment) and _overlaid_columns(overlays, start, stop, q.device) is None:
+            dense.append((seg, start, None))
+        else:
+            return None
+        start = stop
+    for o in overlays:
+        dense.append((o, o.overlay_at, None))
+    dense_valid = None
+    if cols is not None and dense:
+        dense_valid = torch.cat([cols[:, s0 : s0 + seg.tokens] for seg, s0, _ in dense], 1)
+        dense_valid = None if bool(dense_valid.all()) else dense_valid
+    dk, dv = _dense_keys(dense, b, 1, group)[:2] if dense else (None, None)
+    return native_step.step(q, quant, None if dk is None else (dk, dv), dense_valid)
 
 
 def _one_key_mask(seg_mask: torch.Tensor | None) -> bool:

@@ -483,3 +483,119 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
     merge_chunks(B * H, M, D, slots, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
 }
+
+/* ---- a decode step over several KIVI-layout segments and full-precision tokens in one call (the tiered layer) ----
+
+   Segments in key order, each read with its own queries (the step's queries times the segment's key rotation) and
+   its output brought back by its value rotation (out times R^T, R [D, D] row-major, per KV head or shared); then nd
+   full-precision tokens (the tail, overlays, the new token; dvalid [B, nd] uint8 marks those a row sees, NULL: all). out [B, H, M, D]: the normalized
+   attention output (0 for a row that sees no key). work holds B H M max(T, nd) floats, cmx and csum
+   B H (nseg chunks + 1) M, cacc B H (nseg chunks + 1) M D. Returns 1 (computing nothing) for an unsupported shape. */
+struct step_segment {
+    const float* q;  /* [B, H, M, D] float32: the scaled queries in the segment's key basis */
+    int T, kbits, kgroup, vbits, vgroup;
+    const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; const float *ks, *kz;
+    const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; const float *vs, *vz;
+    const uint8_t* valid;  /* [B, T] or NULL */
+    const float* vrot;     /* [H or 1, D, D] or NULL */
+    int64_t vrot_sh;       /* head stride of vrot: D D, or 0 when shared */
+};
+
+/* Merge `n` partials (slot stride `stride`, from slot 0) of one row of M queries into slot 0 (max, sum, output). */
+static void merge_slots(int M, int D, int n, int stride, float* mx, float* sum, float* acc) {
+    for (int m = 0; m < M; m++) {
+        float best = NEG;
+        for (int c = 0; c < n; c++) best = mx[c * stride * M + m] > best ? mx[c * stride * M + m] : best;
+        float tot = 0.f, out[MAXD];
+        memset(out, 0, sizeof(float) * D);
+        if (best > 0.5f * NEG)
+            for (int c = 0; c < n; c++) {
+                const int64_t i = (int64_t)c * stride * M + m;
+                const float w = expf(mx[i] - best);
+                tot += sum[i] * w;
+                for (int d = 0; d < D; d++) out[d] += acc[i * D + d] * w;
+            }
+        mx[m] = best;
+        sum[m] = tot;
+        memcpy(acc + (int64_t)m * D, out, sizeof(float) * D);
+    }
+}
+
+int segments_step(const struct step_segment* segs, int nseg, int B, int H, int M, int D, const float* q,
+                  const float* dk, const float* dv, int nd, const uint8_t* dvalid, int chunks, int threads, float* work, float* cmx,
+                  float* csum, float* cacc, float* out) {
+    if (nseg < 1 || chunks < 1 || nd < 0) return 1;
+    for (int s = 0; s < nseg; s++)
+        if (!native_supports(M, D, segs[s].kbits, segs[s].vbits, segs[s].kgroup, segs[s].vgroup) ||
+            segs[s].T % segs[s].kgroup)
+            return 1;
+    const int slots = nseg * chunks + 1;
+    for (int s = 0; s < nseg; s++) {
+        const struct step_segment* g = segs + s;
+        const int G = g->T / g->kgroup;
+        const struct quant_args a = {g->q, M, D, g->T, G, D / g->vgroup, tile_for(g->kgroup), g->kc, g->kc_sb,
+                                     g->kc_sh, g->kc_st, g->kbits, g->kgroup, g->ks, g->kz, g->vc, g->vc_sb,
+                                     g->vc_sh, g->vc_st, g->vbits, g->vgroup, g->vs, g->vz, g->valid};
+        run_tasks((int64_t)B * H, H, M, D, g->T, (G + chunks - 1) / chunks * g->kgroup, chunks, slots, threads,
+                  quant_task, &a, work, cmx + (int64_t)s * chunks * M, csum + (int64_t)s * chunks * M,
+                  cacc + (int64_t)s * chunks * M * D);
+    }
+    const int64_t rows = (int64_t)B * H;
+    const int per_row = (int)((int64_t)M * (nd > 0 ? nd : 1));
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t bh = 0; bh < rows; bh++) {
+        float* mx = cmx + bh * slots * M;
+        float* sum = csum + bh * slots * M;
+        float* acc = cacc + bh * slots * M * D;
+        for (int s = 0; s < nseg; s++) {  /* each segment's chunks into its first slot, in the model's basis */
+            const int64_t o = (int64_t)s * chunks;
+            merge_slots(M, D, chunks, 1, mx + o * M, sum + o * M, acc + o * M * D);
+            const float* r = segs[s].vrot;
+            if (!r) continue;
+            r += (bh % H) * segs[s].vrot_sh;
+            for (int m = 0; m < M; m++) {
+                float* x = acc + (o * M + m) * D;
+                float y[MAXD];
+                for (int d = 0; d < D; d++) {
+                    float t = 0.f;
+                    for (int e = 0; e < D; e++) t += x[e] * r[(int64_t)d * D + e];
+                    y[d] = t;
+                }
+                memcpy(x, y, sizeof(float) * D);
+            }
+        }
+        const int64_t o = (int64_t)nseg * chunks;  /* the full-precision tokens: the last slot */
+        if (nd > 0) {
+            float* s = work + bh * per_row;
+            const float* qr = q + bh * M * D;
+            for (int m = 0; m < M; m++) {
+                float best = NEG;
+                for (int t = 0; t < nd; t++) {
+                    float x = 0.f;
+                    for (int d = 0; d < D; d++) x += qr[m * D + d] * dk[(bh * nd + t) * D + d];
+                    s[m * nd + t] = dvalid && !dvalid[(bh / H) * nd + t] ? NEG : x;
+                    best = s[m * nd + t] > best ? s[m * nd + t] : best;
+                }
+                const float shift = best <= 0.5f * NEG ? 0.f : best;  /* every token masked: all exp give 0 */
+                float tot = 0.f, *a = acc + (o * M + m) * D;
+                memset(a, 0, sizeof(float) * D);
+                for (int t = 0; t < nd; t++) {
+                    const float p = expf(s[m * nd + t] - shift);
+                    tot += p;
+                    for (int d = 0; d < D; d++) a[d] += p * dv[(bh * nd + t) * D + d];
+                }
+                mx[o * M + m] = best;
+                sum[o * M + m] = tot;
+            }
+        } else {
+            for (int m = 0; m < M; m++) mx[o * M + m] = NEG, sum[o * M + m] = 0.f;
+            memset(acc + o * M * D, 0, sizeof(float) * M * D);
+        }
+        merge_slots(M, D, nseg + 1, chunks, mx, sum, acc);  /* slots 0, chunks, 2 chunks, ..., nseg chunks */
+        for (int m = 0; m < M; m++) {
+            const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
+            for (int d = 0; d < D; d++) out[(bh * M + m) * D + d] = acc[(int64_t)m * D + d] * inv;
+        }
+    }
+    return 0;
+}

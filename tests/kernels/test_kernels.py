@@ -431,3 +431,47 @@ def test_native_token_supports_only_its_variants():
     assert not native.supports_tokens(torch.randn(1, 1, 17, 64), token_segment(1, 1, 32, 64, "int4"))
     assert not native.supports_tokens(q, token_segment(1, 1, 32, 64, "int4", group_size=1))
     assert not native.supports_tokens(q.to("meta"), token_segment(1, 1, 32, 64, "int4"))
+
+
+@pytest.mark.parametrize("pads", [None, (0, 3)], ids=["no-mask", "left-padded"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_native_step_of_a_tiered_layer(pads, threads):
+    """A tiered layer's decode step (a 2-bit archive with dense key and value rotations, a 4-bit warm tier with a
+    Hadamard value rotation, sinks over the archive's first positions, a tail and the new token) runs as one native
+    call (`native_step.step`) and gives the reference attention."""
+    from hf_kvcache.kernels import native_step
+    from hf_kvcache.quant.rotation import hadamard_rotation, rotate
+
+    native_or_skip()
+    g = torch.Generator().manual_seed(21)
+    b, h, d, group = 2, 2, 64, 3
+    matrix = torch.linalg.qr(torch.randn(d, d, generator=g))[0]
+    hadamard = hadamard_rotation(d, 0)
+
+    def segment(t, bits, k_rot, v_rot):
+        k, v = torch.randn(b, h, t, d, generator=g) * 2, torch.randn(b, h, t, d, generator=g)
+        k, v = (k if k_rot is None else rotate(k, k_rot)), rotate(v, v_rot)
+        kc, ks, kz = kivi_key_codes(k, bits, 32, use_triton=False)
+        vc, vs, vz = kivi_value_codes(v, bits, 32, use_triton=False)
+        return QuantSegment(kc, ks, kz, vc, vs, vz, bits, bits, 32, 32, d, k_rotation=k_rot, v_rotation=v_rot)
+
+    def full(t, **kw):
+        return FullSegment(torch.randn(b, h, t, d, generator=g), torch.randn(b, h, t, d, generator=g), **kw)
+
+    segments = [segment(256, 2, matrix, matrix), segment(96, 4, None, hadamard), full(7), full(1),
+                full(4, overlay_at=0)]
+    mask = None if pads is None else left_padded_mask(b, 1, 256 + 96 + 8, pads)
+    q = torch.randn(b, h * group, 1, d, generator=g)
+    calls = []
+    real = native_step.step
+    native_step.step = lambda *a, **k: calls.append(1) or real(*a, **k)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        out, _ = decode_attention(q, segments, mask, use_triton=False)
+    finally:
+        native_step.step = real
+        torch.set_num_threads(before)
+    ref, _ = reference_attention(q, segments, mask)
+    assert calls == [1]
+    torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
