@@ -126,11 +126,7 @@ def decode_attention(
                 dense.append((FullSegment(*seg.dequantize(torch.float32)), start, cmask))
         elif isinstance(seg, QuantSegment):
             seg.check()
-            q_seg = q
-            if seg.k_rotation is not None:
-                q_seg = rotated_q.get(id(seg.k_rotation))
-                if q_seg is None:
-                    q_seg = rotated_q[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
+            q_seg = _in_key_basis(q, seg, rotated_q)
             # the Triton and native kernels take one key mask for all rows: a per-row mask goes through the torch path
             seg_native = not use_triton and use_native is not False and native.supports(q_seg, seg)
             kernel = (use_triton or seg_native) and _one_key_mask(seg_mask)
@@ -241,12 +237,7 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
             hidden = _overlaid_columns(overlays, start, stop, q.device)
             if hidden is not None:
                 valid = ~hidden.expand(b, -1) if valid is None else valid & ~hidden
-            q_seg = q
-            if seg.k_rotation is not None:
-                q_seg = rotated.get(id(seg.k_rotation))
-                if q_seg is None:
-                    q_seg = rotated[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
-            quant.append((q_seg, seg, valid))
+            quant.append((_in_key_basis(q, seg, rotated), seg, valid))
         elif isinstance(seg, FullSegment) and _overlaid_columns(overlays, start, stop, q.device) is None:
             dense.append((seg, start, None))
         else:
@@ -265,6 +256,17 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
 def _one_key_mask(seg_mask: torch.Tensor | None) -> bool:
     """Whether every query row sees the same keys (what the Triton and native kernels take)."""
     return seg_mask is None or seg_mask.shape[2] == 1 or bool((seg_mask == seg_mask[:, :, -1:]).all())
+
+
+def _in_key_basis(q: torch.Tensor, seg: QuantSegment, rotated: dict[int, torch.Tensor]) -> torch.Tensor:
+    """The queries in the basis of the segment's stored keys (`q @ R` for keys stored as `k @ R`), rotated once per
+    rotation of a step (`rotated`, by the rotation's id)."""
+    if seg.k_rotation is None:
+        return q
+    q_seg = rotated.get(id(seg.k_rotation))
+    if q_seg is None:
+        q_seg = rotated[id(seg.k_rotation)] = rotate(q, seg.k_rotation)
+    return q_seg
 
 
 def _unrotated(v_rotation: Rotation | None, part):

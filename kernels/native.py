@@ -164,6 +164,13 @@ def _bytes_strides(codes: torch.Tensor) -> torch.Tensor:
     return codes if codes.stride(-1) == 1 else codes.contiguous()
 
 
+def kivi_operands(seg: QuantSegment) -> tuple[torch.Tensor, ...]:
+    """A KIVI-layout segment as the kernel reads it: key and value codes as row-contiguous bytes, then the key scale
+    and zero and the value scale and zero in float32, contiguous."""
+    kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
+    return (kc, vc, *(x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero)))
+
+
 def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,
                          chunks: int | None = None):
     """Softmax partial (row max, row sum, unnormalized output) of grouped, scaled queries `q` [B, H, M, D] (in the
@@ -174,8 +181,7 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     t = seg.tokens
     threads, chunks = _split(t, b * h, chunks)
     q = q.float().contiguous()
-    kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
-    ks, kz, vs, vz = (x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
+    kc, vc, ks, kz, vs, vz = kivi_operands(seg)
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks)
     rc = library().quant_partial(

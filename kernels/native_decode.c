@@ -296,23 +296,24 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
     return 0;
 }
 
-/* The partial of rows q[M, D] over nd <= MAXDENSE full-precision tokens dk, dv [nd, D] (float32), every key seen:
-   the new tokens of a decode step, attended beside the codes in the same call. */
-static void dense_partial(const float* q, int M, int D, int nd, const float* dk, const float* dv, float* mx,
-                          float* sum, float* acc) {
-    float s[MAXDENSE];
+/* The partial of rows q[M, D] over nd full-precision tokens dk, dv [nd, D] (float32): the new tokens of a decode step
+   (or a tiered layer's tail), attended beside the codes in the same call; valid [nd] (0: a token the rows do not
+   see) or NULL; s holds nd floats of scores. A row that sees no token gets max NEG, sum 0, output 0. */
+static void dense_partial(const float* q, int M, int D, int nd, const float* dk, const float* dv,
+                          const uint8_t* valid, float* s, float* mx, float* sum, float* acc) {
     for (int m = 0; m < M; m++) {
         float best = NEG;
         for (int t = 0; t < nd; t++) {
             float x = 0.f;
             for (int d = 0; d < D; d++) x += q[m * D + d] * dk[t * D + d];
-            s[t] = x;
-            best = x > best ? x : best;
+            s[t] = valid && !valid[t] ? NEG : x;
+            best = s[t] > best ? s[t] : best;
         }
+        const float shift = best <= 0.5f * NEG ? 0.f : best;  /* every token masked: all exp give 0 */
         float tot = 0.f, *out = acc + m * D;
         memset(out, 0, sizeof(float) * D);
         for (int t = 0; t < nd; t++) {
-            const float p = expf(s[t] - best);
+            const float p = expf(s[t] - shift);
             tot += p;
             for (int d = 0; d < D; d++) out[d] += p * dv[t * D + d];
         }
@@ -477,9 +478,11 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
     const int slots = chunks + (nd > 0);  /* the full-precision tokens: one more partial per row */
     run_tasks(B * H, H, M, D, T, per, chunks, slots, threads, token_task, &a, work, cmx, csum, cacc);
+    float s[MAXDENSE];
     for (int64_t bh = 0; nd > 0 && bh < (int64_t)B * H; bh++)
-        dense_partial(q + bh * M * D, M, D, nd, dk + bh * nd * D, dv + bh * nd * D, cmx + (bh * slots + chunks) * M,
-                      csum + (bh * slots + chunks) * M, cacc + (bh * slots + chunks) * M * D);
+        dense_partial(q + bh * M * D, M, D, nd, dk + bh * nd * D, dv + bh * nd * D, 0, s,
+                      cmx + (bh * slots + chunks) * M, csum + (bh * slots + chunks) * M,
+                      cacc + (bh * slots + chunks) * M * D);
     merge_chunks(B * H, M, D, slots, cmx, csum, cacc, mx_out, sum_out, acc_out);
     return 0;
 }
@@ -541,7 +544,6 @@ int segments_step(const struct step_segment* segs, int nseg, int B, int H, int M
                   cacc + (int64_t)s * chunks * M * D);
     }
     const int64_t rows = (int64_t)B * H;
-    const int per_row = (int)((int64_t)M * (nd > 0 ? nd : 1));
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t bh = 0; bh < rows; bh++) {
         float* mx = cmx + bh * slots * M;
@@ -566,27 +568,9 @@ int segments_step(const struct step_segment* segs, int nseg, int B, int H, int M
         }
         const int64_t o = (int64_t)nseg * chunks;  /* the full-precision tokens: the last slot */
         if (nd > 0) {
-            float* s = work + bh * per_row;
-            const float* qr = q + bh * M * D;
-            for (int m = 0; m < M; m++) {
-                float best = NEG;
-                for (int t = 0; t < nd; t++) {
-                    float x = 0.f;
-                    for (int d = 0; d < D; d++) x += qr[m * D + d] * dk[(bh * nd + t) * D + d];
-                    s[m * nd + t] = dvalid && !dvalid[(bh / H) * nd + t] ? NEG : x;
-                    best = s[m * nd + t] > best ? s[m * nd + t] : best;
-                }
-                const float shift = best <= 0.5f * NEG ? 0.f : best;  /* every token masked: all exp give 0 */
-                float tot = 0.f, *a = acc + (o * M + m) * D;
-                memset(a, 0, sizeof(float) * D);
-                for (int t = 0; t < nd; t++) {
-                    const float p = expf(s[m * nd + t] - shift);
-                    tot += p;
-                    for (int d = 0; d < D; d++) a[d] += p * dv[(bh * nd + t) * D + d];
-                }
-                mx[o * M + m] = best;
-                sum[o * M + m] = tot;
-            }
+            dense_partial(q + bh * M * D, M, D, nd, dk + bh * nd * D, dv + bh * nd * D,
+                          dvalid ? dvalid + (bh / H) * nd : 0, work + bh * nd, mx + o * M, sum + o * M,
+                          acc + o * M * D);
         } else {
             for (int m = 0; m < M; m++) mx[o * M + m] = NEG, sum[o * M + m] = 0.f;
             memset(acc + o * M * D, 0, sizeof(float) * M * D);

@@ -81,9 +81,8 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
         rot = value_rotation_matrix(seg.v_rotation, d)
         if rot is None or not native.supports(q_seg, seg):
             return None
-        kc, vc = native._bytes_strides(seg.k_codes), native._bytes_strides(seg.v_codes)
+        kc, vc, ks, kz, vs, vz = native.kivi_operands(seg)
         qs = q_seg.float().contiguous()
-        ks, kz, vs, vz = (x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero))
         valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
         keep += [qs, kc, vc, ks, kz, vs, vz] + [t for t in (valid, rot[0]) if t is not None]
         desc.q, desc.T, desc.kbits, desc.kgroup = qs.data_ptr(), seg.tokens, seg.k_bits, seg.k_group

@@ -186,14 +186,10 @@ def test_joint_layer_budgets(model, ragged):
         counts.append(int(kept.sum()))
     assert counts[-1] > counts[0] and abs(sum(counts) - 10 * H * len(counts)) < H * len(counts)
     if not ragged:  # the same tokens in a DynamicCache, decoded one token at a time
-        ref = DynamicCache()
-        for i, layer in enumerate(cache.layers):
-            ref.update(layer.held_keys(), layer._plain(layer.slots.values), i)
-        nxt, pos = _ids(13, 3)[:1], torch.arange(40, 43)[None]
-        got = model(nxt, past_key_values=cache, position_ids=pos).logits
-        want = torch.cat([model(nxt[:, t : t + 1], past_key_values=ref, position_ids=pos[:, t : t + 1]).logits
-                          for t in range(3)], 1)
-        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+        ref = _kept_as_dynamic(cache, 0)
+        nxt = _ids(13, 3)[:1]
+        got = model(nxt, past_key_values=cache, position_ids=torch.arange(40, 43)[None]).logits
+        torch.testing.assert_close(got, _one_at_a_time(model, nxt, ref, 40), atol=1e-5, rtol=0)
 
 
 @torch.inference_mode()
@@ -213,21 +209,28 @@ def test_joint_layer_budgets_left_padded_batch(model):
     cache.evict_to(12)
     held = [layer.tokens_held() for layer in cache.layers]
     assert held[-1] > held[0]
-    refs = []  # each row's kept tokens in a DynamicCache
-    for row in range(B):
-        ref = DynamicCache()
-        for i, layer in enumerate(cache.layers):
-            assert layer.held_valid()[row].all()  # the padding went first
-            ref.update(layer.held_keys()[row : row + 1], layer._plain(layer.slots.values)[row : row + 1], i)
-        refs.append(ref)
+    assert all(layer.held_valid().all() for layer in cache.layers)  # the padding went first
+    refs = [_kept_as_dynamic(cache, row) for row in range(B)]
     nxt = _ids(15, 3)
     got = model(nxt, attention_mask=torch.cat([mask, torch.ones(B, 3, dtype=torch.long)], 1),
                 position_ids=positions[:, -1:] + 1 + torch.arange(3), past_key_values=cache).logits
     for row, ref in enumerate(refs):
-        start = int(positions[row, -1]) + 1
-        want = torch.cat([model(nxt[row : row + 1, t : t + 1], past_key_values=ref,
-                                position_ids=torch.tensor([[start + t]])).logits for t in range(3)], 1)
+        want = _one_at_a_time(model, nxt[row : row + 1], ref, int(positions[row, -1]) + 1)
         torch.testing.assert_close(got[row : row + 1], want, atol=1e-5, rtol=0)
+
+
+def _kept_as_dynamic(cache: H2OCache, row: int) -> DynamicCache:
+    """A DynamicCache holding the tokens each layer of `cache` keeps for batch row `row` (rectangular layers)."""
+    ref = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        ref.update(layer.held_keys()[row : row + 1], layer._plain(layer.slots.values)[row : row + 1], i)
+    return ref
+
+
+def _one_at_a_time(model, ids: torch.Tensor, cache: DynamicCache, start: int) -> torch.Tensor:
+    """The logits of `ids [1, n]` fed one token per forward at positions `start...` over `cache`."""
+    return torch.cat([model(ids[:, t : t + 1], past_key_values=cache, position_ids=torch.tensor([[start + t]])).logits
+                      for t in range(ids.shape[1])], 1)
 
 
 def test_options_are_checked():
