@@ -104,6 +104,10 @@ def decode_attention(
         out = _segments_step_native(q, segments, overlays, attention_mask, total, group)
         if out is not None:
             return ungroup_rows(out, hq, q_len).to(query.dtype), None
+    if use_triton and q_len == 1 and attention_mask is None and not return_mass:
+        out = _step_triton(q, segments, overlays, query.dtype, dot_f32)
+        if out is not None:
+            return ungroup_rows(out, hq, q_len), None
     partials, quant_spans, dense, start = [], [], [], 0
     rotated_q: dict[int, torch.Tensor] = {}  # queries rotated once per key rotation
     pending = None  # (v_rotation, partial) of consecutive quantized segments sharing a value rotation
@@ -171,6 +175,49 @@ def decode_attention(
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
             mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dtype: torch.dtype, dot_f32: bool):
+    """A one-position step without a mask on CUDA: each quantized segment's kernel leaves its split partials, and
+    `triton_step` merges them with the full-precision pieces in one launch. Output `[B, Hkv, group, D]` in
+    `out_dtype`, or None where this path does not serve (more segments or pieces than one launch takes, value
+    rotations that differ, a shape no kernel serves)."""
+    from . import triton_quant, triton_step
+    from .triton_tokens import supports_tokens, token_partial_triton
+
+    quant = [s for s in segments if not isinstance(s, FullSegment)]
+    pieces = [s for s in [*segments, *overlays] if isinstance(s, FullSegment) and s.tokens]
+    if len(quant) > triton_step.MAX_SETS or len(pieces) > triton_step.MAX_PIECES:
+        return None
+    rotations = {id(getattr(s, "v_rotation", None)) for s in quant}
+    v_rotation = getattr(quant[0], "v_rotation", None) if quant else None
+    rotated_wide = v_rotation is not None and q.shape[-1] > triton_step.MAX_ROTATED_DIM
+    if len(rotations) > 1 or rotated_wide or any(p.keys.stride(-1) != 1 or p.values.stride(-1) != 1 for p in pieces):
+        return None
+    rotated_q: dict[int, torch.Tensor] = {}
+    launches, start = [], 0
+    for seg in segments:
+        stop = start + seg.tokens
+        if isinstance(seg, TokenSegment):
+            if not supports_tokens(q, seg):
+                return None
+            launches.append((seg, q, start, stop))
+        elif isinstance(seg, QuantSegment):
+            seg.check()
+            q_seg = _in_key_basis(q, seg, rotated_q)
+            if not triton_quant.supports(q_seg, seg):
+                return None
+            launches.append((seg, q_seg, start, stop))
+        start = stop
+    sets = []
+    for seg, q_seg, start, stop in launches:
+        hidden = _overlaid_columns(overlays, start, stop, q.device)
+        key_valid = None if hidden is None else (~hidden).view(1, -1).expand(q.shape[0], -1)
+        if isinstance(seg, TokenSegment):
+            sets.append(token_partial_triton(q_seg, seg, key_valid, dot_f32=dot_f32, merged=False))
+        else:
+            sets.append(triton_quant.quant_partial_rows(q_seg, seg, key_valid, dot_f32=dot_f32, merged=False))
+    return triton_step.step_attention(q, sets, [(p.keys, p.values) for p in pieces], v_rotation, out_dtype)
 
 
 def _quant_partial_triton(q, seg: QuantSegment, key_valid, dot_f32: bool):

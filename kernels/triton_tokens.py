@@ -142,10 +142,10 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
 
 
 def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
-                         dot_f32: bool | None = None):
+                         dot_f32: bool | None = None, merged: bool = True):
     """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged; `dot_f32`: the
     IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under the
-    interpreter)."""
+    interpreter). `merged=False` returns the per-split partials (m, l `[B*Hkv, S, M_PAD]`, acc `[..., D]`)."""
     b, h, m, d = q.shape
     n_tok = seg.tokens
     qp, m_pad = padded_rows(q)
@@ -172,4 +172,4 @@ def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         K_BITS=k.bits, V_BITS=v.bits, K_GROUP=k.group_size, V_GROUP=v.group_size, K_ZERO=k.zero is not None,
         V_ZERO=v.zero is not None, DOT_F32=dot_f32, FAST_TRIG=not interpreting(), num_warps=TOKEN_WARPS,
     )
-    return merge_splits(m_out, l_out, acc_out, q.shape)
+    return merge_splits(m_out, l_out, acc_out, q.shape) if merged else (m_out, l_out, acc_out)

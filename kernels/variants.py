@@ -1,7 +1,8 @@
 """Every Triton kernel variant the library launches, as data (`Variant`: kernel, signature, constexprs, the
 arguments compiled as multiples of 16, where it is launched), and how one is compiled for a GPU target without a GPU.
 
-Read off the launch sites (`triton_decode.py`, `triton_tokens.py`, `kivi_pack.py`); the variants themselves are
+Read off the launch sites (`triton_decode.py`, `triton_quant.py`, `triton_tokens.py`, `triton_step.py`,
+`kivi_pack.py`); the variants themselves are
 described in `hf_kvcache.eval.kernel_report`. Two users: `compile_check` (does every variant compile?) and
 `eval.kernel_report` (registers, spills, shared memory and occupancy of each).
 """
@@ -24,7 +25,7 @@ BITS = (2, 4, 8)
 GROUPS = (32, 64)  # tokens per key group: 32 = tiered warm tier and KIVI, 64 = tiered archive
 DTYPES = ("fp16", "bf16")
 KERNELS = ("_quant_attn_rows_kernel", "_quant_attn_kernel", "_quant_mass_kernel", "_token_attn_kernel", "_keys_kernel",
-           "_values_kernel")
+           "_values_kernel", "_step_kernel")
 # the uniform caches' per-token formats the token kernel reads: (bits, channels per scale (None: the head), zeros)
 TOKEN_FORMATS = ((4, 32, False), (8, None, False))
 TIER_OF = {(2, 64): "tiered archive", (4, 32): "tiered warm", (2, 32): "KIVI-2"}
@@ -144,6 +145,42 @@ def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
     return out
 
 
+# what `triton_step` merges in the launches the caches make: (use, partial sets as their m-row strides (None: the
+# row kernel's D + 2; 1: the token kernel's), values rotated, full-precision pieces)
+STEP_SHAPES = (("uniform int4 / int8 step", (1,), False, 1), ("tiered step (archive, warm, tail, sinks, new)",
+               (None, None), True, 3), ("KIVI step (codes, tail, new)", (None,), False, 2),
+               ("tiered step, context still full precision", (), False, 2))
+
+
+def step_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
+    """`_step_kernel` (`decode_attention` -> `triton_step.step_attention`, the one-launch merge of a decode step on
+    CUDA) in the shapes the caches launch it, bf16 full-precision pieces (dots on bf16 operands), unused inputs passed
+    as the query; rotated values up to `MAX_ROTATED_DIM` (wider heads take the general path)."""
+    if "_step_kernel" not in kernels:
+        return []
+    from .triton_step import BLOCK_N, MAX_PIECES, MAX_ROTATED_DIM, MAX_SETS
+
+    out = []
+    for d in head_dims:
+        for use, rows, rotated, pieces in STEP_SHAPES:
+            sig = dict(q_ptr=P32, out_ptr="*bf16", rot_ptr=P32)
+            for i in range(MAX_SETS):
+                sig.update({f"m{i}": P32, f"l{i}": P32, f"a{i}": P32, f"n{i}": I32, f"s{i}_bh": I32,
+                            f"s{i}_sp": I32, f"a{i}_bh": I32, f"a{i}_sp": I32, f"a{i}_row": I32})
+            for i in range(MAX_PIECES):
+                kv = "*bf16" if i < pieces else P32
+                sig.update({f"k{i}": kv, f"v{i}": kv, f"t{i}": I32, f"k{i}_b": I32, f"k{i}_h": I32, f"k{i}_t": I32,
+                            f"v{i}_b": I32, f"v{i}_h": I32, f"v{i}_t": I32})
+            sig.update(kv_heads=I32, n_rows=I32)
+            row = [d + 2 if r is None else r for r in rows] + [1] * (MAX_SETS - len(rows))
+            if rotated and d > MAX_ROTATED_DIM:
+                continue
+            c = dict(SETS=len(rows), ROW0=row[0], ROW1=row[1], HAS_ROT=rotated, PIECES=pieces, M_PAD=16, D=d,
+                     BLOCK=BLOCK_N, DOT_F32=False)
+            out.append(Variant("triton_step", "_step_kernel", tuple(sig.items()), tuple(c.items()), _ptrs(sig), use))
+    return out
+
+
 def pack_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, kernels=KERNELS) -> list[Variant]:
     out = []
     for d in head_dims:
@@ -169,7 +206,8 @@ def all_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, m
                  kernels=KERNELS) -> list[Variant]:
     return (rows_variants(head_dims, bits, groups, kernels) + decode_variants(head_dims, bits, groups, m_pads, fp16_dot,
                                                                                kernels)
-            + token_variants(head_dims, kernels) + pack_variants(head_dims, bits, groups, dtypes, kernels))
+            + token_variants(head_dims, kernels) + step_variants(head_dims, kernels)
+            + pack_variants(head_dims, bits, groups, dtypes, kernels))
 
 
 def quick_variants() -> list[Variant]:
@@ -179,7 +217,9 @@ def quick_variants() -> list[Variant]:
     pack = pack_variants(head_dims=(64,), bits=(4,), groups=(32,), dtypes=("fp16",))
     tokens = token_variants(head_dims=(64,))
     rows = [v for v in rows_variants(head_dims=(64,), bits=(2,), groups=(64,)) if v.params["HAS_VALID"]][:1]
-    return rows + [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + pack
+    step = [v for v in step_variants(head_dims=(64,)) if v.params["HAS_ROT"]]
+    return (rows + [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + step
+            + pack)
 
 
 def compile_kernel(v: Variant, arch: int = ARCH):
