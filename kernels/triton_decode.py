@@ -7,6 +7,7 @@ for `tl.dot`. The torch reference is `decode_attention._quant_partial_torch` / `
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -206,11 +207,17 @@ def quant_partial_triton(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
     return merge_splits(m_out, l_out, acc_out, q.shape)
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Multiprocessors of CUDA device `device_index` (asked once: the query costs host time on every launch)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def split_plan(q: torch.Tensor, n_tok: int, m_pad: int, block: int = BLOCK_T, waves: int = 2):
     """(splits, tokens per split, the per-split outputs m, l `[B Hkv, splits, M_PAD]` and acc `[..., D]`) for a
     launch over `n_tok` tokens: enough programs to fill the GPU `waves` times, whole tiles of `block` per split."""
     b, h, _, d = q.shape
-    sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+    sms = sm_count(q.device.index or 0) if q.is_cuda else 4
     n_split = max(1, min(triton.cdiv(n_tok, block), triton.cdiv(waves * sms, b * h)))
     per_split = triton.cdiv(triton.cdiv(n_tok, n_split), block) * block
     n_split = triton.cdiv(n_tok, per_split)

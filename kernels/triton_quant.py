@@ -18,14 +18,13 @@ Reference: `decode_attention.reference_attention` (and the tests' comparison und
 
 from __future__ import annotations
 
-import functools
 
 import torch
 import triton
 import triton.language as tl
 
 from .segments import QuantSegment
-from .triton_decode import _segment_bases, interpreting, merge_splits
+from .triton_decode import _segment_bases, interpreting, merge_splits, sm_count
 
 
 # the launch defaults, read off the H200 sweep (docs/gpu/README.md): 4 warps; splits of at most ~2K tokens (a program
@@ -115,11 +114,6 @@ def _quant_attn_rows_kernel(
     tl.store(out_ptr + row[:, None] + 2 + cols[None, :], acc)
 
 
-@functools.lru_cache(maxsize=None)
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def supports(q: torch.Tensor, seg: QuantSegment) -> bool:
     """Whether this kernel serves `seg` for queries `q` [B, Hkv, M, D] (else `triton_decode` does)."""
     d = q.shape[-1]
@@ -148,7 +142,7 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
     q = q.float().contiguous()
     m_pad = max(16, triton.next_power_of_2(m))
     block = seg.k_group
-    sms = _sm_count(q.device.index or 0) if q.is_cuda else 4
+    sms = sm_count(q.device.index or 0) if q.is_cuda else 4
     wanted = max(triton.cdiv(waves * sms, b * h), triton.cdiv(n_tok, split_tokens))
     n_split = max(1, min(triton.cdiv(n_tok, block), wanted))
     per_split = triton.cdiv(triton.cdiv(n_tok, n_split), block) * block
