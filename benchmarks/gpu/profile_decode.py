@@ -2,7 +2,7 @@
 each cache (random bf16 keys / values, the same fill as `hf-kvcache gpu-check`), host syncs reported by
 `torch.cuda.set_sync_debug_mode`, and the kernel launched alone beside the whole call.
 
-    python benchmarks/gpu/profile_decode.py --out DIR [--tokens 4096 32768] [--caches int4 tiered kivi]
+    python benchmarks/gpu/profile_decode.py --out DIR [--tokens 4096 32768] [--caches int4 tiered kivi] [--python]
 
 Writes `profile_decode.txt` (tables) into DIR. On a CPU it runs the torch path (a check of the script only).
 """
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--python", action="store_true", help="also cProfile 200 calls (host time by Python function)")
     args = p.parse_args(argv)
 
     from torch.profiler import ProfilerActivity, profile
@@ -86,6 +87,20 @@ def main(argv: list[str] | None = None) -> None:
                 torch.cuda.set_sync_debug_mode(0)
                 syncs = [str(w.message).splitlines()[0][:160] for w in caught]
                 say(f"host syncs in one call: {len(syncs)} {syncs[:5]}")
+            if args.python:
+                import cProfile
+                import io
+                import pstats
+
+                prof_py = cProfile.Profile()
+                prof_py.enable()
+                for _ in range(200):
+                    call()
+                prof_py.disable()
+                text = io.StringIO()
+                pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(25)
+                say("Python functions over 200 calls, by own time:")
+                say(text.getvalue())
             acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
             with profile(activities=acts, with_stack=False) as prof:
                 for _ in range(5):
