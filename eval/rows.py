@@ -31,6 +31,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "ratio": ("{:.2f}x", "vs fp16"),
     "answer_ratio": ("{:.2f}x", "vs fp16 (answered)"),
     "tokens_per_s": ("{:.0f}", "stream tok/s"),
+    "prefill_tokens_per_s": ("{:.0f}", "prefill tok/s"),
+    "prefill_vs_first": ("{:.2f}x", "prefill vs first"),
     "decode_tokens_per_s": ("{:.1f}", "decode tok/s"),
     "median_tokens_per_s": ("{:.2f}", "median tok/s"),
     "step_peak_mb": ("{:.2f}", "step peak MB"),

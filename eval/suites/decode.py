@@ -9,7 +9,9 @@ expands its past every step) and through the fused attention (`hf_kvcache`); on 
 reports what it ranks tokens by) on the following tokens, the variants taking turns every 8 steps so that a slow
 spell of the machine hits every variant alike. Every variant runs in this one process; fp16 on CUDA, fp32 on the CPU.
 
-Rows: `decode_tokens_per_s` (steps / their total time, so the steps that move groups between tiers count),
+Rows: `prefill_tokens_per_s` (the context / the time of its chunks; the variants prefill chunk by chunk in turns)
+and `prefill_vs_first`, `decode_tokens_per_s` (steps / their total time, so the steps that move groups between tiers
+count),
 `median_tokens_per_s` (1 / median step), `step_peak_mb` (one more step under the peak-memory probe: CUDA
 max_memory_allocated above what was allocated before, or on CPU the torch profiler's allocation events replayed in time
 order), `cache_mb`, `ratio` (vs fp16), `vs_first` (tokens/s vs the first variant), on fused rows `vs_dequantize`
@@ -82,17 +84,24 @@ def variants(model, specs: list[CacheSpec], device: str = "cpu") -> list[Variant
 @torch.inference_mode()
 def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context: int, steps: int,
                         chunk: int, round_steps: int = 8) -> dict[str, dict]:
-    """Prefill one cache per variant, then time their decode steps in turns of `round_steps` (A B C A B C ...);
-    then one more step per variant under the peak-memory probe."""
+    """Prefill one cache per variant, chunk by chunk in turns (each variant's chunk s, then chunk s + 1: timed), then
+    time their decode steps in turns of `round_steps` (A B C A B C ...); then one more step per variant under the
+    peak-memory probe."""
     caches = {}
+    prefill: dict[str, float] = {v.label: 0.0 for v in chosen}
     for v in chosen:
-        model.set_attn_implementation(v.attn)
         caches[v.label] = v.spec.build(model)
         if v.fused:  # read in place while the model runs that attention (what generate sets up)
             caches[v.label].bind(model)
-        with v.running():
-            for s in range(0, context, chunk):
+    for s in range(0, context, chunk):
+        for v in chosen:
+            model.set_attn_implementation(v.attn)
+            with v.running():
+                t0 = time.perf_counter()
                 model(input_ids=ids[:, s : min(s + chunk, context)], past_key_values=caches[v.label], use_cache=True)
+                if ids.is_cuda:
+                    torch.cuda.synchronize()
+                prefill[v.label] += time.perf_counter() - t0
     step_ids = ids[:, context:]
     times: dict[str, list[float]] = {v.label: [] for v in chosen}
     try:
@@ -118,7 +127,8 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
                 peak = gpu_peak_bytes(one_step) if ids.is_cuda else cpu_peak_bytes(one_step)
             stats = memory_stats(cache)
             t = times[v.label]
-            out[v.label] = {"decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
+            out[v.label] = {"prefill_tokens_per_s": context / prefill[v.label],
+                            "decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
                             "step_peak_mb": peak / 2**20, "cache_mb": stats["bytes"] / 2**20, "ratio": stats["ratio"]}
     finally:
         model.set_attn_implementation("sdpa")
@@ -152,6 +162,7 @@ def run(opts: DecodeOptions) -> list[Row]:
     rows = [make_row("decode", v.label, opts.model, context, **results[v.label]) for v in chosen]
     for row, v in zip(rows, chosen):
         row["vs_first"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+        row["prefill_vs_first"] = row["prefill_tokens_per_s"] / rows[0]["prefill_tokens_per_s"]
         if v.fused:
             deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and not w.fused)
             row["vs_dequantize"] = row["decode_tokens_per_s"] / deq["decode_tokens_per_s"]

@@ -193,6 +193,7 @@ def test_decode_suite_runs_a_fused_cache_both_ways(capsys, tmp_path):
     assert [r["cache"] for r in rows] == ["dynamic", "tiered, dequantize + SDPA", "tiered, fused (hf_kvcache)",
                                           *torch_path, "tova"]
     assert all(r["decode_tokens_per_s"] > 0 and r["step_peak_mb"] >= 0 and r["cache_mb"] > 0 for r in rows)
+    assert all(r["prefill_tokens_per_s"] > 0 for r in rows) and rows[0]["prefill_vs_first"] == 1.0
     assert rows[0]["vs_first"] == 1.0 and "vs_dequantize" not in rows[1] and "vs_dequantize" not in rows[-1]
     for fused in rows[2:-1]:
         assert fused["vs_dequantize"] == pytest.approx(fused["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"])
