@@ -76,9 +76,10 @@ def _segment_bases(kc_ptr, ks_ptr, kz_ptr, vc_ptr, vs_ptr, vz_ptr, bh, n_tok, kc
 
 
 @triton.jit
-def _online_step(m_i, l_i, acc, s, v, valid, DOT_F32: tl.constexpr):
+def _online_step(m_i, l_i, acc, s, v, valid, DOT_F32: tl.constexpr, PV_IN_V_DTYPE: tl.constexpr = False):
     """One tile of flash-decoding: scores `s [M_PAD, BLOCK]` (keys where `valid`), values `v [BLOCK, D]` folded into
-    the running row max, row sum and unnormalized output."""
+    the running row max, row sum and unnormalized output. The values' dot: IEEE fp32 (`DOT_F32`), else on fp16
+    operands, or on operands of v's own dtype (`PV_IN_V_DTYPE`: bf16 values stay bf16)."""
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -87,6 +88,8 @@ def _online_step(m_i, l_i, acc, s, v, valid, DOT_F32: tl.constexpr):
     l_i = l_i * alpha + tl.sum(p, 1)
     if DOT_F32:
         pv = tl.dot(p, v, input_precision="ieee")
+    elif PV_IN_V_DTYPE:
+        pv = tl.dot(p.to(v.dtype), v)
     else:
         pv = tl.dot(p.to(tl.float16), v.to(tl.float16))
     return m_new, l_i, acc * alpha[:, None] + pv

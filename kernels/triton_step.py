@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_decode import interpreting
+from .triton_decode import _online_step, interpreting
 
 MAX_SETS = 2  # partial sets (quantized segments) one launch merges
 MAX_PIECES = 3  # full-precision pieces one launch attends
@@ -57,19 +57,10 @@ def _attend_piece(m_i, l_i, acc, q, k_ptr, v_ptr, n, b, h, sk_b, sk_h, sk_t, sv_
         v = tl.load(vb + t[:, None] * sv_t + cols[None, :], mask=tmask[:, None], other=0.0)
         if DOT_F32:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            v = v.to(tl.float32)
         else:
             s = tl.dot(q.to(k.dtype), tl.trans(k))
-        s = tl.where(tmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_F32:
-            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        m_i, l_i, acc = _online_step(m_i, l_i, acc, s, v, tmask, DOT_F32, True)
     return m_i, l_i, acc
 
 
