@@ -191,8 +191,9 @@ def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dt
         return None
     rotations = {id(getattr(s, "v_rotation", None)) for s in quant}
     v_rotation = getattr(quant[0], "v_rotation", None) if quant else None
-    rotated_wide = v_rotation is not None and q.shape[-1] > triton_step.MAX_ROTATED_DIM
-    if len(rotations) > 1 or rotated_wide or any(p.keys.stride(-1) != 1 or p.values.stride(-1) != 1 for p in pieces):
+    unread_rotation = v_rotation is not None and (q.shape[-1] > triton_step.MAX_ROTATED_DIM
+                                                  or native_step.value_rotation_matrix(v_rotation, q.shape[-1]) is None)
+    if len(rotations) > 1 or unread_rotation or any(p.keys.stride(-1) != 1 or p.values.stride(-1) != 1 for p in pieces):
         return None
     rotated_q: dict[int, torch.Tensor] = {}
     launches, start = [], 0

@@ -11,12 +11,11 @@ then takes the general path.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from .native_step import value_rotation_matrix
 from .triton_decode import _online_step, interpreting
 
 MAX_SETS = 2  # partial sets (quantized segments) one launch merges
@@ -90,9 +89,10 @@ def _step_kernel(
     if SETS > 1:
         m_i, l_i, acc = _merge_set(m_i, l_i, acc, m1, l1, a1, n1, bh, s1_bh, s1_sp, a1_bh, a1_sp, a1_row, rows, cols,
                                    ROW1)
-    if HAS_ROT:  # the quantized values were stored as v @ R: their output comes back by R^T (`rot` holds R^T),
-        # applied to the normalized output (bounded by the values' range), on tf32 operands unless DOT_F32
-        rot = tl.load(rot_ptr + cols[:, None] * D + cols[None, :])
+    if HAS_ROT:  # the quantized values were stored as v @ R: their output comes back by R^T (`rot` holds R,
+        # row-major, read transposed), applied to the normalized output (bounded by the values' range), on tf32
+        # operands unless DOT_F32
+        rot = tl.load(rot_ptr + cols[None, :] * D + cols[:, None])
         l_safe = tl.maximum(l_i, 1e-30)
         if DOT_F32:
             acc = tl.dot(acc / l_safe[:, None], rot, input_precision="ieee") * l_safe[:, None]
@@ -112,22 +112,6 @@ def _step_kernel(
     tl.store(out_ptr + bh * n_rows * D + rows[:, None] * D + cols[None, :], out, mask=(rows < n_rows)[:, None])
 
 
-@functools.lru_cache(maxsize=16)
-def _inverse_matrix(rotation, device: torch.device) -> torch.Tensor:
-    """R^T `[D, D]` (float32, contiguous) of a rotation object (the process holds one per size, seed and device)."""
-    from hf_kvcache.quant.rotation import unrotate
-
-    n = rotation.n if hasattr(rotation, "n") else rotation.shape[0]
-    return unrotate(torch.eye(n, device=device), rotation).float().contiguous()
-
-
-def rotation_inverse(rotation) -> torch.Tensor:
-    """R^T of `rotation` (a `HadamardRotation`, kept per process, or a matrix) as a contiguous float32 `[D, D]`."""
-    if isinstance(rotation, torch.Tensor):
-        return rotation.float().t().contiguous()
-    return _inverse_matrix(rotation, rotation.signs.device)
-
-
 def step_attention(q: torch.Tensor, partial_sets: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
                    pieces: list[tuple[torch.Tensor, torch.Tensor]], v_rotation, out_dtype: torch.dtype) -> torch.Tensor:
     """The normalized attention output of `q` over the quantized segments' unmerged partials and the full-precision
@@ -139,7 +123,8 @@ def step_attention(q: torch.Tensor, partial_sets: list[tuple[torch.Tensor, torch
             with unit stride along D, all in the basis of `v_rotation`.
         pieces: up to `MAX_PIECES` full-precision (keys, values) `[B, Hkv, N, D]` (any float dtype, unit stride along
             D), every token visible to every row.
-        v_rotation: None, or the rotation the quantized values were stored in (a `HadamardRotation` or a matrix R).
+        v_rotation: None, or the rotation the quantized values were stored in (a `HadamardRotation` or a matrix R;
+            read as `native_step.value_rotation_matrix` gives it, shared with the CPU step).
         out_dtype: the output's dtype.
     Returns:
         `[B, Hkv, M, D]` in `out_dtype`.
@@ -167,7 +152,12 @@ def step_attention(q: torch.Tensor, partial_sets: list[tuple[torch.Tensor, torch
     args += [q, q, 0, 0, 0, 0, 0, 0, 0] * (MAX_PIECES - len(pieces))
     if v_rotation is not None and partial_sets and d > MAX_ROTATED_DIM:
         raise ValueError(f"step_attention rotates values of head dims up to {MAX_ROTATED_DIM}; this one is {d}")
-    rot = rotation_inverse(v_rotation) if v_rotation is not None and partial_sets else q
+    rot = q
+    if v_rotation is not None and partial_sets:
+        matrix = value_rotation_matrix(v_rotation, d)
+        if matrix is None:
+            raise ValueError(f"step_attention takes a [{d}, {d}] rotation or a Hadamard transform of size {d}")
+        rot = matrix[0]
     dot_f32 = interpreting() or any(k.dtype == torch.float32 for k, _ in pieces) or not pieces
     _step_kernel[(b * h,)](
         q, out, rot, *sets, *args, h, m,
