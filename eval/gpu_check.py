@@ -35,6 +35,9 @@ import torch
 from .gpu_sections import (Deadline, copy_bandwidth, correctness, decode_timing, environment, generate_timing,
                            kernel_sweep)
 
+SECTIONS = ("environment", "bandwidth", "correctness", "decode", "sweep", "generate")
+
+
 @dataclass
 class CheckOptions:
     """What the check runs; the defaults are the one-shot run on a GPU (the budget: about 6 minutes)."""
@@ -53,6 +56,7 @@ class CheckOptions:
     prompt_tokens: int = 32768
     new_tokens: int = 32
     generate_caches: tuple[str, ...] = ("dynamic", "int8", "int4", "tiered", "kivi")
+    sections: tuple[str, ...] = SECTIONS  # the ones to run (their shares of the budget scaled to sum to one)
     # the share of the budget each section may use (what is left over passes on to the next)
     shares: dict[str, float] = field(default_factory=lambda: dict(
         environment=0.01, bandwidth=0.02, correctness=0.22, decode=0.33, sweep=0.14, generate=0.28))
@@ -86,12 +90,17 @@ def run(opts: CheckOptions) -> dict:
     if not opts.dry_run and not torch.cuda.is_available():
         raise ValueError("gpu-check needs a CUDA GPU and torch built with CUDA; none is visible here (use --dry-run "
                          "to run the script with tiny sizes on the CPU)")
+    unknown = set(opts.sections) - set(SECTIONS)
+    if unknown:
+        raise ValueError(f"unknown gpu-check sections {sorted(unknown)}: choose among {', '.join(SECTIONS)}")
     report = Report(opts.out)
     start = time.monotonic()
     spent_share = 0.0
     copy_gbps = None
-    for section in ("environment", "bandwidth", "correctness", "decode", "sweep", "generate"):
-        spent_share += opts.shares[section]
+    chosen = [s for s in SECTIONS if s in opts.sections]
+    total_share = sum(opts.shares[s] for s in chosen)
+    for section in chosen:
+        spent_share += opts.shares[section] / total_share
         deadline = Deadline(start + opts.budget_s * spent_share - time.monotonic())
         t0 = time.monotonic()
         try:
@@ -144,10 +153,11 @@ def render_markdown(data: dict) -> str:
         parts.append(f"Copy bandwidth (read + written): {bw['gb_per_s']:,.0f} GB/s\n")
     for name, cols in (("correctness", ["case", "qdtype", "ok", "out_err", "out_scale", "mass_err", "codes_differ",
                                         "scale_err", "error"]),
-                       ("decode", ["head_dim", "batch", "tokens", "cache", "ms", "vs_sdpa", "bytes", "gb_per_s",
-                                   "bw_share", "segments", "error"]),
-                       ("sweep", ["head_dim", "bits", "group", "batch", "kernel", "block", "num_warps", "dot_f32",
-                                  "waves", "ms", "gb_per_s", "max_err", "error", "setting"]),
+                       ("decode", ["head_dim", "batch", "tokens", "cache", "ms", "vs_sdpa", "graph_ms", "graph_vs_sdpa",
+                                   "bytes", "gb_per_s", "bw_share", "graph_bw_share", "segments", "error",
+                                   "graph_error"]),
+                       ("sweep", ["head_dim", "bits", "group", "batch", "kernel", "prerope", "block", "num_warps",
+                                  "dot_f32", "waves", "default", "ms", "gb_per_s", "max_err", "error", "setting"]),
                        ("generate", ["model", "prompt", "cache", "prefill_s", "decode_tok_s", "vs_dynamic",
                                      "peak_gib", "new_tokens", "error"])):
         value = data.get(name)
@@ -162,10 +172,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, type=Path, help="folder for gpu_check.json and gpu_check.md")
     p.add_argument("--budget-s", type=float, default=360.0, help="seconds for the whole check (default 360)")
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU: tests the script, measures nothing")
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=SECTIONS, metavar="SECTION",
+                   help=f"the sections to run, in their fixed order (default all: {' '.join(SECTIONS)})")
 
 
 def main_args(args: argparse.Namespace) -> int:
     opts = CheckOptions.dry(args.out) if args.dry_run else CheckOptions(out=args.out, budget_s=args.budget_s)
+    opts.sections = tuple(args.sections)
     data = run(opts)
     print((args.out / "gpu_check.md").read_text())
     failed = [r for r in data.get("correctness", []) if isinstance(r, dict) and r.get("ok") is False]

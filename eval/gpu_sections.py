@@ -271,6 +271,33 @@ def sdpa_call(q, k, v):
     return (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)), "default"
 
 
+def graph_ms(fn: Callable[[], object], iters: int, calls: int = 10) -> float:
+    """Milliseconds of GPU time one call of `fn` takes: `calls` calls captured in one CUDA graph, replayed `iters`
+    times (median of CUDA-event timings, divided by `calls`). The host's launch work is left out, as in a decode
+    loop run under CUDA graphs; raises where `fn` cannot be captured (a host synchronization, a host-to-device copy)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside the capture: kernels compiled, caches filled
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    ms = time_ms(graph.replay, iters, "cuda") / calls
+    del graph
+    return ms
+
+
+def _graph_or_error(fn: Callable[[], object], iters: int) -> dict:
+    """{"graph_ms": ...} or {"graph_error": ...} (a call that cannot be captured says why)."""
+    try:
+        return dict(graph_ms=graph_ms(fn, iters))
+    except Exception as exc:
+        return dict(graph_error=f"{type(exc).__name__}: {exc}"[:200])
+
+
 def fill_cache(name: str, k: torch.Tensor, v: torch.Tensor, chunk: int = 4096):
     """A cache of ours named `name`, its layer 0 fed `k`, `v` in chunks (a chunked prefill), and the layer."""
     from hf_kvcache.registry import build_cache
@@ -303,11 +330,12 @@ def decode_timing(device: str, opts, deadline: Deadline, copy_gbps: float | None
                     fn, backend = sdpa_call(q, k, v)
                     sdpa_ms = time_ms(fn, opts.iters, device)
                     nbytes = k.nbytes + v.nbytes
+                    sdpa_graph = _graph_or_error(fn, opts.iters) if device.startswith("cuda") else {}
                     rows.append(dict(base, cache=f"sdpa bf16 ({backend})", ms=sdpa_ms, bytes=nbytes,
                                      gb_per_s=nbytes / sdpa_ms / 1e6, vs_sdpa=1.0,
-                                     bw_share=_share(nbytes, sdpa_ms, copy_gbps)))
+                                     bw_share=_share(nbytes, sdpa_ms, copy_gbps), **sdpa_graph))
                 except Exception as exc:
-                    sdpa_ms = None
+                    sdpa_ms, sdpa_graph = None, {}
                     rows.append(dict(base, cache="sdpa bf16", error=f"{type(exc).__name__}: {exc}"[:300]))
                 new_k = torch.randn(batch, opts.kv_heads, 1, d, generator=g, device=device, dtype=dtype)
                 new_v = torch.randn_like(new_k)
@@ -317,12 +345,21 @@ def decode_timing(device: str, opts, deadline: Deadline, copy_gbps: float | None
                     try:
                         cache, layer = fill_cache(name, k, v)
                         segments = [*layer.attention_segments(), FullSegment(new_k, new_v)]
-                        ms = time_ms(lambda q=q, segments=segments: decode_attention(q, segments), opts.iters, device)
+                        call = lambda q=q, segments=segments: decode_attention(q, segments)  # noqa: E731
+                        ms = time_ms(call, opts.iters, device)
                         nbytes = segment_bytes(segments)
-                        rows.append(dict(base, cache=name, ms=ms, bytes=nbytes, gb_per_s=nbytes / ms / 1e6,
-                                         vs_sdpa=None if sdpa_ms is None else sdpa_ms / ms,
-                                         bw_share=_share(nbytes, ms, copy_gbps),
-                                         segments=" + ".join(_describe(s) for s in segments)))
+                        row = dict(base, cache=name, ms=ms, bytes=nbytes, gb_per_s=nbytes / ms / 1e6,
+                                   vs_sdpa=None if sdpa_ms is None else sdpa_ms / ms,
+                                   bw_share=_share(nbytes, ms, copy_gbps),
+                                   segments=" + ".join(_describe(s) for s in segments))
+                        if device.startswith("cuda"):
+                            row.update(_graph_or_error(call, opts.iters))
+                            if "graph_ms" in row:
+                                row["graph_gb_per_s"] = nbytes / row["graph_ms"] / 1e6
+                                row["graph_bw_share"] = _share(nbytes, row["graph_ms"], copy_gbps)
+                                if "graph_ms" in sdpa_graph:
+                                    row["graph_vs_sdpa"] = sdpa_graph["graph_ms"] / row["graph_ms"]
+                        rows.append(row)
                         del cache, layer, segments
                     except Exception as exc:
                         rows.append(dict(base, cache=name, error=f"{type(exc).__name__}: {exc}"[:300],
@@ -360,6 +397,7 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
     from hf_kvcache.kernels.triton_decode import quant_partial_triton
     from hf_kvcache.kernels.triton_quant import quant_partial_rows
 
+    rows += token_sweep(device, opts, deadline)
     # the general kernel's launch as it was, then the row-wise kernel under each setting
     settings = [dict(kernel="general", block=64, num_warps=4, dot_f32=True, waves=2),
                 dict(kernel="general", block=64, num_warps=4, dot_f32=False, waves=2)]
@@ -392,6 +430,41 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
                 row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
                 row["ms"] = time_ms(lambda: fn(q, seg, None, **knobs), opts.iters, device)
                 row["gb_per_s"] = seg.nbytes() / row["ms"] / 1e6
+            except Exception as exc:
+                row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            rows.append(row)
+    return rows
+
+
+def token_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
+    """The per-token kernel (`triton_tokens`) at 32K tokens, head dim 128, int4, keys as they come and pre-RoPE,
+    under each launch setting (tokens per tile, warps, programs per SM): GPU time of the kernel alone (its split
+    partials left unmerged, replayed from a CUDA graph) and errors against the default launch."""
+    from hf_kvcache.kernels.triton_tokens import TOKEN_BLOCK, TOKEN_WARPS, token_partial_triton
+
+    settings = [dict(block=bl, num_warps=w, waves=wv) for bl in (16, 32, 64) for w in (4, 8) for wv in (2, 8)]
+    default = dict(block=TOKEN_BLOCK, num_warps=TOKEN_WARPS, waves=2)
+    cases = []
+    for prerope in (False, True):
+        for batch in (1, 8):
+            seg = to_device(token_case(batch, opts.kv_heads, 32768, 128, "int4", prerope, batch), device)
+            q = torch.randn(batch, opts.kv_heads, opts.group, 128, device=device) / math.sqrt(128)
+            ref = token_partial_triton(q, seg, None, dot_f32=False)
+            cases.append((dict(head_dim=128, bits=4, batch=batch, prerope=prerope), seg, q, ref))
+    rows: list[dict] = []
+    for s in settings:
+        for base, seg, q, ref in cases:
+            if deadline.passed():
+                rows.append(dict(setting="(budget spent)"))
+                return rows
+            row = dict(base, kernel="tokens", dot_f32=False, default=s == default, **s)
+            try:
+                got = token_partial_triton(q, seg, None, dot_f32=False, **s)
+                row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
+                row["ms"] = graph_ms(lambda: token_partial_triton(q, seg, None, dot_f32=False, merged=False, **s),
+                                     opts.iters)
+                nbytes = sum(t.nbytes for t in (*seg.keys.tensors(), *seg.values.tensors()))
+                row["gb_per_s"] = nbytes / row["ms"] / 1e6
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)

@@ -142,10 +142,16 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
 
 
 def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
-                         dot_f32: bool | None = None, merged: bool = True):
-    """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged; `dot_f32`: the
-    IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under the
-    interpreter). `merged=False` returns the per-split partials (m, l `[B*Hkv, S, M_PAD]`, acc `[..., D]`)."""
+                         dot_f32: bool | None = None, merged: bool = True, block: int = TOKEN_BLOCK,
+                         num_warps: int = TOKEN_WARPS, waves: int = 2):
+    """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged.
+
+    Args:
+        dot_f32: the IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under
+            the interpreter). merged: False returns the per-split partials (m, l `[B*Hkv, S, M_PAD]`, acc
+            `[..., D]`). block, num_warps, waves: tokens per tile, warps per program, programs per SM (the launch
+            knobs `hf-kvcache gpu-check` sweeps).
+    """
     b, h, m, d = q.shape
     n_tok = seg.tokens
     qp, m_pad = padded_rows(q)
@@ -164,12 +170,12 @@ def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         frame, stats_batched, pos_batched, scaling = [qp, qp, qp, qp], 0, 0, 1.0
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else parts[0]
     dot_f32 = interpreting() or (q.dtype == torch.float32 if dot_f32 is None else dot_f32)
-    n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad, TOKEN_BLOCK)
+    n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad, block, waves)
     _token_attn_kernel[(b * h, n_split)](
         qp, *parts, *frame, valid, m_out, l_out, acc_out, n_tok, h, per_split, parts[0].shape[-1],
         parts[3].shape[-1], stats_batched, pos_batched, scaling,
-        HAS_VALID=key_valid is not None, PREROPE=codec is not None, M_PAD=m_pad, D=d, BLOCK=TOKEN_BLOCK,
+        HAS_VALID=key_valid is not None, PREROPE=codec is not None, M_PAD=m_pad, D=d, BLOCK=block,
         K_BITS=k.bits, V_BITS=v.bits, K_GROUP=k.group_size, V_GROUP=v.group_size, K_ZERO=k.zero is not None,
-        V_ZERO=v.zero is not None, DOT_F32=dot_f32, FAST_TRIG=not interpreting(), num_warps=TOKEN_WARPS,
+        V_ZERO=v.zero is not None, DOT_F32=dot_f32, FAST_TRIG=not interpreting(), num_warps=num_warps,
     )
     return merge_splits(m_out, l_out, acc_out, q.shape) if merged else (m_out, l_out, acc_out)

@@ -38,6 +38,15 @@ def test_sections_run_on_the_cpu_and_write_json_and_markdown(tmp_path):
     assert "## correctness" in md and "## decode" in md and "| tiered |" in md
 
 
+def test_chosen_sections_run_alone_and_an_unknown_one_is_refused(tmp_path):
+    opts = dataclasses.replace(gpu_check.CheckOptions.dry(tmp_path), sections=("environment", "decode"))
+    data = gpu_check.run(opts)
+    assert {k for k in data if not k.endswith("_seconds")} == {"environment", "decode"}
+    assert {r["cache"].split(" (")[0] for r in data["decode"]} == {"sdpa bf16", "tiered", "int4", "int8", "kivi"}
+    with pytest.raises(ValueError, match="choose among"):
+        gpu_check.run(dataclasses.replace(opts, sections=("decode", "graphs")))
+
+
 def test_a_wrong_kernel_result_is_reported_not_passed(monkeypatch):
     """A kernel whose output is off shows up as ok=False with its error, so the check cannot pass silently."""
     from hf_kvcache.kernels import decode_attention as da
