@@ -436,24 +436,28 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
     return rows
 
 
-def token_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
-    """The per-token kernel (`triton_tokens`) at 32K tokens, head dim 128, int4, keys as they come and pre-RoPE,
-    under each launch setting (tokens per tile, warps, programs per SM): GPU time of the kernel alone (its split
-    partials left unmerged, replayed from a CUDA graph) and errors against the default launch."""
+TOKEN_SETTINGS = tuple(dict(block=bl, num_warps=w, waves=wv) for bl in (16, 32, 64) for w in (4, 8) for wv in (2, 8))
+TOKEN_CASES = tuple(dict(head_dim=128, dtype="int4", batch=b, prerope=p) for p in (False, True) for b in (1, 8))
+
+
+def token_sweep(device: str, opts, deadline: Deadline, settings=TOKEN_SETTINGS, cases=TOKEN_CASES,
+                tokens: int = 32768) -> list[dict]:
+    """The per-token kernel (`triton_tokens`) at `tokens` tokens under each launch setting of `settings` (dicts of
+    `token_partial_triton`'s block / num_warps / waves, and `num_stages`) for each case of `cases` (dicts of
+    head_dim, dtype, batch, prerope): GPU time of the kernel alone (its split partials left unmerged, replayed from a
+    CUDA graph) and errors against the default launch."""
     from hf_kvcache.kernels.triton_tokens import TOKEN_BLOCK, TOKEN_WARPS, token_partial_triton
 
-    settings = [dict(block=bl, num_warps=w, waves=wv) for bl in (16, 32, 64) for w in (4, 8) for wv in (2, 8)]
     default = dict(block=TOKEN_BLOCK, num_warps=TOKEN_WARPS, waves=2)
-    cases = []
-    for prerope in (False, True):
-        for batch in (1, 8):
-            seg = to_device(token_case(batch, opts.kv_heads, 32768, 128, "int4", prerope, batch), device)
-            q = torch.randn(batch, opts.kv_heads, opts.group, 128, device=device) / math.sqrt(128)
-            ref = token_partial_triton(q, seg, None, dot_f32=False)
-            cases.append((dict(head_dim=128, bits=4, batch=batch, prerope=prerope), seg, q, ref))
+    built = []
+    for c in cases:
+        seg = to_device(token_case(c["batch"], opts.kv_heads, tokens, c["head_dim"], c["dtype"], c["prerope"],
+                                   c["batch"]), device)
+        q = torch.randn(c["batch"], opts.kv_heads, opts.group, c["head_dim"], device=device) / math.sqrt(c["head_dim"])
+        built.append((dict(c, tokens=tokens), seg, q, token_partial_triton(q, seg, None, dot_f32=False)))
     rows: list[dict] = []
     for s in settings:
-        for base, seg, q, ref in cases:
+        for base, seg, q, ref in built:
             if deadline.passed():
                 rows.append(dict(setting="(budget spent)"))
                 return rows

@@ -143,14 +143,14 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
 
 def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
                          dot_f32: bool | None = None, merged: bool = True, block: int = TOKEN_BLOCK,
-                         num_warps: int = TOKEN_WARPS, waves: int = 2):
+                         num_warps: int = TOKEN_WARPS, waves: int = 2, num_stages: int | None = None):
     """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged.
 
     Args:
         dot_f32: the IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under
             the interpreter). merged: False returns the per-split partials (m, l `[B*Hkv, S, M_PAD]`, acc
-            `[..., D]`). block, num_warps, waves: tokens per tile, warps per program, programs per SM (the launch
-            knobs `hf-kvcache gpu-check` sweeps).
+            `[..., D]`). block, num_warps, waves, num_stages: tokens per tile, warps per program, programs per SM,
+            software-pipeline stages (None: Triton's default) (the launch knobs `hf-kvcache gpu-check` sweeps).
     """
     b, h, m, d = q.shape
     n_tok = seg.tokens
@@ -177,5 +177,6 @@ def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         HAS_VALID=key_valid is not None, PREROPE=codec is not None, M_PAD=m_pad, D=d, BLOCK=block,
         K_BITS=k.bits, V_BITS=v.bits, K_GROUP=k.group_size, V_GROUP=v.group_size, K_ZERO=k.zero is not None,
         V_ZERO=v.zero is not None, DOT_F32=dot_f32, FAST_TRIG=not interpreting(), num_warps=num_warps,
+        **({} if num_stages is None else dict(num_stages=num_stages)),
     )
     return merge_splits(m_out, l_out, acc_out, q.shape) if merged else (m_out, l_out, acc_out)
