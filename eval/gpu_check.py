@@ -157,7 +157,8 @@ def render_markdown(data: dict) -> str:
                                    "bytes", "gb_per_s", "bw_share", "graph_bw_share", "segments", "error",
                                    "graph_error"]),
                        ("sweep", ["head_dim", "bits", "group", "batch", "kernel", "prerope", "block", "num_warps",
-                                  "dot_f32", "waves", "default", "ms", "gb_per_s", "max_err", "error", "setting"]),
+                                  "dot_f32", "waves", "num_stages", "default", "ms", "graph_ms", "gb_per_s", "max_err",
+                                  "error", "setting"]),
                        ("generate", ["model", "prompt", "cache", "prefill_s", "decode_tok_s", "vs_dynamic",
                                      "peak_gib", "new_tokens", "error"])):
         value = data.get(name)

@@ -402,9 +402,11 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
     settings = [dict(kernel="general", block=64, num_warps=4, dot_f32=True, waves=2),
                 dict(kernel="general", block=64, num_warps=4, dot_f32=False, waves=2)]
     settings += [dict(kernel="rows", num_warps=w, dot_f32=False, waves=wv) for w in (4, 8) for wv in (2, 4, 1, 8)]
+    settings += [dict(kernel="rows", num_warps=2, dot_f32=False, waves=wv) for wv in (4, 8, 16)]
+    settings += [dict(kernel="rows", num_warps=w, dot_f32=False, waves=8, num_stages=st) for w in (2, 4) for st in (2, 4)]
     settings += [dict(kernel="rows", num_warps=w, dot_f32=True, waves=2) for w in (4, 8)]
     cases = []
-    for bits, group in ((4, 32), (2, 64)):
+    for bits, group in ((4, 32), (2, 64), (2, 32)):
         for batch in (1, 8):
             d = 128
             g = torch.Generator(device=device).manual_seed(d * bits + batch)
@@ -430,13 +432,14 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
                 row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
                 row["ms"] = time_ms(lambda: fn(q, seg, None, **knobs), opts.iters, device)
                 row["gb_per_s"] = seg.nbytes() / row["ms"] / 1e6
+                row.update(_graph_or_error(lambda: fn(q, seg, None, **knobs), opts.iters))
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
     return rows
 
 
-TOKEN_SETTINGS = tuple(dict(block=bl, num_warps=w, waves=wv) for bl in (16, 32, 64) for w in (4, 8) for wv in (2, 8))
+TOKEN_SETTINGS = tuple(dict(block=bl, num_warps=w, waves=wv) for bl in (16, 32, 64) for w in (2, 4, 8) for wv in (2, 8))
 TOKEN_CASES = tuple(dict(head_dim=128, dtype="int4", batch=b, prerope=p) for p in (False, True) for b in (1, 8))
 
 
@@ -446,9 +449,8 @@ def token_sweep(device: str, opts, deadline: Deadline, settings=TOKEN_SETTINGS, 
     `token_partial_triton`'s block / num_warps / waves, and `num_stages`) for each case of `cases` (dicts of
     head_dim, dtype, batch, prerope): GPU time of the kernel alone (its split partials left unmerged, replayed from a
     CUDA graph) and errors against the default launch."""
-    from hf_kvcache.kernels.triton_tokens import TOKEN_BLOCK, TOKEN_WARPS, token_partial_triton
+    from hf_kvcache.kernels.triton_tokens import TOKEN_WAVES, token_launch, token_partial_triton
 
-    default = dict(block=TOKEN_BLOCK, num_warps=TOKEN_WARPS, waves=2)
     built = []
     for c in cases:
         seg = to_device(token_case(c["batch"], opts.kv_heads, tokens, c["head_dim"], c["dtype"], c["prerope"],
@@ -461,7 +463,9 @@ def token_sweep(device: str, opts, deadline: Deadline, settings=TOKEN_SETTINGS, 
             if deadline.passed():
                 rows.append(dict(setting="(budget spent)"))
                 return rows
-            row = dict(base, kernel="tokens", dot_f32=False, default=s == default, **s)
+            block, warps = token_launch(base["head_dim"], False)
+            row = dict(base, kernel="tokens", dot_f32=False,
+                       default=s == dict(block=block, num_warps=warps, waves=TOKEN_WAVES), **s)
             try:
                 got = token_partial_triton(q, seg, None, dot_f32=False, **s)
                 row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())

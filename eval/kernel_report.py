@@ -24,12 +24,13 @@ Variants (read off the launch sites, `kernels/triton_decode.py`, `kernels/triton
 - `_quant_mass_kernel`: the per-key attention mass (`decode_attention(return_mass=True)`), same constexprs less V_*.
 - `_token_attn_kernel`: the uniform caches' per-token codes (`token_partial_triton`): int4 g32 / int8 per head,
   symmetric, keys pre-RoPE or as they come, HAS_VALID both ways, M_PAD = 16, DOT_F32 both ways (fp32 models / fp16
-  and bf16 models), tiles of `triton_tokens.TOKEN_BLOCK` tokens on `TOKEN_WARPS` warps.
+  and bf16 models), tiles and warps of `triton_tokens.token_launch` (64 tokens on 4 warps for fp16 dots at head dims
+  up to 128, else 16 on 8).
 - `_keys_kernel` / `_values_kernel`: fused KIVI quantize + pack (`quant.kivi.kivi_key_codes` / `kivi_value_codes` on CUDA tensors), for
   x in fp16 and bf16; keys GROUP = tokens per group, values GROUP = min(group, D) channels, BLOCK_R = 16.
 Pointer arguments are compiled as 16-byte aligned and the integer arguments that are multiples of 16 at every real
 launch (token counts of a tier, tokens per split, packed row bytes) as divisible by 16, as Triton's launcher
-specializes them. num_warps is each launch site's (4, the token kernel 8); num_stages Triton's default (3).
+specializes them. num_warps is each launch site's (4; the token kernel's from `token_launch`); num_stages Triton's default (3).
 
 Occupancy (per SM, H100: 65536 registers, 228 KiB shared of which at most 227 KiB per block, 2048 threads, 32 blocks,
 64 warps): registers are allocated per warp in units of 256, shared memory per block is the dynamic shared memory

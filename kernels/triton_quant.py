@@ -124,7 +124,7 @@ def supports(q: torch.Tensor, seg: QuantSegment) -> bool:
 
 def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,
                        dot_f32: bool | None = None, num_warps: int = 4, waves: int = 2,
-                       split_tokens: int = SPLIT_TOKENS, merged: bool = True):
+                       split_tokens: int = SPLIT_TOKENS, merged: bool = True, num_stages: int | None = None):
     """(m, l, acc) of `q` [B, Hkv, M, D] (float32, already scaled) over `seg`, split along tokens then merged.
 
     Args:
@@ -133,6 +133,7 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
         num_warps: warps per program. waves: programs per SM the token splits aim at at least.
         split_tokens: tokens per split at most (more splits where batch x heads already fill the waves).
         merged: False returns the per-split partials unmerged (for `triton_step.step_attention`).
+        num_stages: software-pipeline stages (None: Triton's default).
     Returns:
         m, l `[B, Hkv, M]` and acc `[B, Hkv, M, D]` (float32); unmerged: m, l `[B*Hkv, S, M_PAD]`, acc
         `[B*Hkv, S, M_PAD, D]` (views of one buffer).
@@ -157,5 +158,6 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
         q, *parts, valid, out, n_tok, h, m, per_split, parts[0].shape[-1], parts[3].shape[-1],
         HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, K_BITS=seg.k_bits, V_BITS=seg.v_bits,
         K_GROUP=seg.k_group, V_GROUP=seg.v_group, DOT_F32=dot_f32 or interpreting(), num_warps=num_warps,
+        **({} if num_stages is None else dict(num_stages=num_stages)),
     )
     return merge_splits(m_out, l_out, acc_out, q.shape) if merged else (m_out, l_out, acc_out)

@@ -13,7 +13,7 @@ import importlib
 import os
 from dataclasses import dataclass
 
-from .triton_tokens import TOKEN_BLOCK, TOKEN_WARPS
+from .triton_tokens import token_launch
 
 ARCH = 90  # the CUDA target compiled for without a GPU: Hopper (sm_90)
 P8, P16, P32, I8, I32 = "*u8", "*fp16", "*fp32", "*i8", "i32"
@@ -119,8 +119,8 @@ def rows_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, kernels=KERNELS
 def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
     """`_token_attn_kernel` (`decode_attention` -> `token_partial_triton`, the uniform caches on CUDA): int4 / int8 at
     their default groups (symmetric: no zeros), keys pre-RoPE (the default) or as they come, with and without a
-    validity mask; fp16 operand dots (fp16 / bf16 models) and fp32 dots (fp32 models), M_PAD 16, tiles of
-    `TOKEN_BLOCK` tokens, `TOKEN_WARPS` warps."""
+    validity mask; fp16 operand dots (fp16 / bf16 models) and fp32 dots (fp32 models), M_PAD 16, tiles and warps of
+    `triton_tokens.token_launch`."""
     if "_token_attn_kernel" not in kernels:
         return []
     out = []
@@ -134,14 +134,15 @@ def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
                                    valid_ptr=I8 if has_valid else P8, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
                                    kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32, stats_batched=I32,
                                    pos_batched=I32, rope_scaling="fp32")
-                        c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=TOKEN_BLOCK, K_BITS=bits,
+                        block, warps = token_launch(d, dot_f32)
+                        c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=block, K_BITS=bits,
                                  V_BITS=bits, K_GROUP=group or d, V_GROUP=group or d, K_ZERO=zeros, V_ZERO=zeros,
                                  DOT_F32=dot_f32, FAST_TRIG=True)
                         use = (f"int{bits}, keys {'pre-RoPE' if prerope else 'as they come'}, decode, "
                                f"{'fp32 model' if dot_f32 else 'fp16/bf16 model'}")
                         out.append(Variant("triton_tokens", "_token_attn_kernel", tuple(sig.items()),
                                            tuple(c.items()), _ptrs(sig) + ("tokens_per_split",), use,
-                                           num_warps=TOKEN_WARPS))
+                                           num_warps=warps))
     return out
 
 
