@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from hf_kvcache.kernels.decode_attention import decode_attention, reference_attention
-from hf_kvcache.kernels.triton_tokens import TOKEN_BLOCK, supports_tokens, token_partial_triton
+from hf_kvcache.kernels.triton_tokens import (SMALL_BLOCK, SMALL_WARPS, TOKEN_BLOCK, TOKEN_WARPS, supports_tokens,
+                                             token_partial_triton)
 from random_kv import token_segment
 
 
@@ -25,8 +26,11 @@ def _out(part):
      (128, "int4", 32, False, False, 0), (256, "int4", None, None, True, 7_000), (256, "int8", 64, False, False, 0)],
 )
 @pytest.mark.parametrize("masked", [False, True])
-def test_token_kernel_matches_the_reference(d, dtype, group_size, symmetric, prerope, start, masked):
-    """Tokens not a multiple of the tile, a left-padded second row (its own positions), 4 query heads per KV head."""
+@pytest.mark.parametrize("launch", [(SMALL_BLOCK, SMALL_WARPS), (TOKEN_BLOCK, TOKEN_WARPS)])
+def test_token_kernel_matches_the_reference(d, dtype, group_size, symmetric, prerope, start, masked, launch):
+    """Tokens not a multiple of the tile, a left-padded second row (its own positions), 4 query heads per KV head;
+    both default launches (`token_launch`: the large tile for fp16 dots at head dims up to 128, the small one
+    elsewhere; the interpreter runs fp32 dots, so each launch is named here)."""
     t = 3 * TOKEN_BLOCK + 5
     pad = (0, 9) if masked else (0,)
     seg = token_segment(2, 2, t, d, dtype, group_size, symmetric, prerope=prerope, pad=pad, seed=d, start=start)
@@ -41,7 +45,7 @@ def test_token_kernel_matches_the_reference(d, dtype, group_size, symmetric, pre
     if valid is not None:
         logits = logits.masked_fill(~valid[:, None, None], float("-inf"))
     ref = torch.softmax(logits, -1) @ values
-    got = _out(token_partial_triton(q, seg, valid))
+    got = _out(token_partial_triton(q, seg, valid, block=launch[0], num_warps=launch[1]))
     # measured up to 1.3e-6 (1.1e-6 with keys pre-RoPE at positions near 120K: the angles are float32 either way)
     torch.testing.assert_close(got, ref, atol=2.5e-6, rtol=1e-5)
 
