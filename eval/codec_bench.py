@@ -120,7 +120,7 @@ def _baselines(model, cfg, pre, cont, dyn, chunk, base, prefix, fp16, rows, out)
     zc = zstandard.ZstdCompressor(level=3)
     t0 = time.perf_counter()
     z = sum(len(zc.compress(t.contiguous().view(torch.uint8).numpy().tobytes()))
-            for layer in int8.layers for t in layer.store.values())
+            for layer in int8.layers for q in (layer.key_codes, layer.value_codes) for t in q.tensors())
     enc_s = time.perf_counter() - t0
     rows.append(_row("zstd-3 over int8 cache", z, prefix, fp16, int8_bytes, ppl, base, enc_s, None))
     print(format_rows(rows[-2:]), file=out, flush=True)

@@ -7,9 +7,12 @@ attention each held token received through `observe_attention`. What a layer can
 here with its defaults: `wants_attention_mass`, `query_window` (+ `observe_queries`), `key_mask()`, `key_bias()`,
 `mask_from_end`.
 
-A layer keeps everything it stores in `self.store`, a dict of tensors laid out `[batch, kv_heads, tokens, ...]`.
-Because every stored tensor has the batch on dim 0 and the tokens on dim 2, beam reordering, batch selection,
-repetition and cropping are implemented once here. A layer whose storage is not token-aligned overrides them.
+A layer keeps what it stores in typed attributes of its own (quantized tensors, slots, tiers) and says what they are
+through a few methods: `tokens_held`, `batch_size`, `held_tensors` (the bytes counted), `_map_store` (a batch-dim
+operation applied to its row-laid-out storage) and, for the lossless codec, `state_tensors` / `load_state_tensors`.
+Beam reordering, batch selection, repetition and cropping newest tokens (where storage is token-aligned: the tokens
+on dim 2) are implemented once here on top of `_map_store`; a layer whose storage is not token-aligned overrides
+`_crop_newest`.
 """
 
 from __future__ import annotations
@@ -93,7 +96,6 @@ class CompressedLayer(DynamicLayer):
     def __init__(self, options: CacheOptions | None = None) -> None:
         super().__init__()
         self.options = options
-        self.store: dict[str, torch.Tensor] = {}
         self.cumulative_length = 0
         self.fused_binding: FusedBinding | None = None
         # `[batch]` int64: leading padding positions of each row (`CompressedCache.set_padding`); layers that pool
@@ -230,31 +232,31 @@ class CompressedLayer(DynamicLayer):
         raise ValueError(f"{type(self).__name__} keeps the options it was built with")
 
     def reset(self) -> None:
-        self.store = {}
+        """Forget everything seen (a subclass also clears its own storage)."""
         self.cumulative_length = 0
         self.padding = None
         self.keys = self.values = None
         self.is_initialized = False
 
     def tokens_held(self) -> int:
-        first = next(iter(self.store.values()), None)
-        return 0 if first is None else first.shape[2]
+        """Token positions held (0 before the first update)."""
+        raise NotImplementedError
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the layer stores, by name (what the lossless codec writes)."""
-        return dict(self.store)
+        raise NotImplementedError
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of `state_tensors` (what the lossless codec restores)."""
-        self.store = dict(tensors)
+        """Inverse of `state_tensors` (what the lossless codec restores; layers it restores provide it)."""
+        raise NotImplementedError(f"{type(self).__name__} is not restored from named tensors")
 
     def batch_size(self) -> int:
         """Rows held (0 before the first update)."""
-        first = next(iter(self.store.values()), None)
-        return 0 if first is None else first.shape[0]
+        raise NotImplementedError
 
     def _map_store(self, fn) -> None:
-        self.store = {name: fn(t) for name, t in self.store.items()}
+        """Apply the batch-dim operation `fn` (a tensor -> tensor) to every row-laid-out tensor stored."""
+        raise NotImplementedError
 
     def _map_rows(self, fn) -> None:
         """Apply a batch-dim operation to everything kept per row."""
@@ -304,7 +306,8 @@ class CompressedLayer(DynamicLayer):
 
     # ---- accounting ---------------------------------------------------------------------------------------------
     def held_tensors(self) -> list[torch.Tensor]:
-        return list(self.store.values())
+        """Every tensor the layer keeps (storage, statistics, codebooks): the bytes `nbytes` counts."""
+        raise NotImplementedError
 
     def nbytes(self) -> int:
         """Bytes of the storage this layer's tensors hold (shared tensors included; `memory_stats` counts a tensor

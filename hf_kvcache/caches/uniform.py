@@ -92,8 +92,9 @@ class UniformPreRopeKeys(PreRopeKeys):
 
 
 class UniformQuantLayer(CompressedLayer):
-    """Keys and values quantized per token: `{k,v}_codes`, `{k,v}_scale` (and `{k,v}_zero` when asymmetric), all
-    `[batch, kv_heads, tokens, ...]`. With `sliding_window`, only the newest `sliding_window - 1` tokens are kept."""
+    """Keys and values quantized per token: `key_codes` / `value_codes` (`QuantizedTensor`: codes, scale and, when
+    asymmetric, zero, each `[batch, kv_heads, tokens, ...]`), and `pending_keys` (model dtype) while pre-RoPE key
+    statistics wait for rows to fill. With `sliding_window`, only the newest `sliding_window - 1` tokens are kept."""
 
     options: UniformQuantOptions
     supports_sliding = True
@@ -106,19 +107,14 @@ class UniformQuantLayer(CompressedLayer):
             self.is_sliding = True
         self.key_codec: UniformPreRopeKeys | None = None  # key_quant="prerope"; set by UniformQuantCache
         self.rows_fitted: torch.Tensor | None = None  # [batch] bool while some rows' key statistics are not fitted
+        self.key_codes: QuantizedTensor | None = None
+        self.value_codes: QuantizedTensor | None = None
+        self.pending_keys: torch.Tensor | None = None  # every key so far, while some row is not fitted (prerope)
 
-    def _held(self, prefix: str, n: int) -> QuantizedTensor:
-        o, s = self.options, self.store
-        return QuantizedTensor(s[f"{prefix}_codes"], s[f"{prefix}_scale"], s.get(f"{prefix}_zero"), o.fmt, o.bits,
-                               o.resolved_group(n), n)
-
-    def _put(self, prefix: str, q: QuantizedTensor) -> None:
-        """Append `q` to what is stored along the tokens."""
-        for field, t in (("codes", q.codes), ("scale", q.scale), ("zero", q.zero)):
-            if t is None:
-                continue
-            name = f"{prefix}_{field}"
-            self.store[name] = torch.cat([self.store[name], t], dim=2) if name in self.store else t
+    @staticmethod
+    def _joined(held: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
+        """`new` appended to `held` along the tokens."""
+        return new if held is None else held.cat(new)
 
     def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The true positions of cache indices start..start+n-1 (`[batch, 1, n]`: the index minus the row's left
@@ -133,10 +129,10 @@ class UniformQuantLayer(CompressedLayer):
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if self.key_codec is None:
-            self._put("k", self.options.quantize(key_states))
+            self.key_codes = self._joined(self.key_codes, self.options.quantize(key_states))
         else:
             self._append_prerope(key_states)
-        self._put("v", self.options.quantize(value_states))
+        self.value_codes = self._joined(self.value_codes, self.options.quantize(value_states))
         drop = self.tokens_held() - (self.sliding_window - 1) if self.sliding_window is not None else 0
         if drop > 0:  # positions no later query can see; copies, so that no view keeps the dropped rows alive
             self._map_store(lambda t: t[:, :, drop:].clone())
@@ -144,14 +140,14 @@ class UniformQuantLayer(CompressedLayer):
     def _append_prerope(self, keys: torch.Tensor) -> None:
         """`key_quant="prerope"`: each row's key statistics are fitted from its own real keys once it has seen
         `FIT_TOKENS` real tokens (left padding does not count). Until every row is fitted the keys of all rows are
-        held as they come (`k_pending`, model dtype; a fitted row reads them through its codes, exactly what it
+        held as they come (`pending_keys`, model dtype; a fitted row reads them through its codes, exactly what it
         would hold alone); then they, and every later key, are stored as codes of the pre-RoPE frame, each key
         quantized once."""
         codec, n, seen, b = self.key_codec, keys.shape[2], self.cumulative_length, keys.shape[0]
-        pending = self.store.pop("k_pending", None)
+        pending, self.pending_keys = self.pending_keys, None
         if pending is None and codec.fitted:  # every row fitted
             positions, _ = self._positions(seen - n, n, b)
-            self._put("k", codec.quantize_pre(codec.derotate(keys, positions)))
+            self.key_codes = self._joined(self.key_codes, codec.quantize_pre(codec.derotate(keys, positions)))
             return
         keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
         held = keys.shape[2]
@@ -170,15 +166,15 @@ class UniformQuantLayer(CompressedLayer):
             self.rows_fitted = fitted = fitted | ready
             if bool(fitted.all()):
                 self.rows_fitted = None
-                self._put("k", codec.quantize_pre(pre))
+                self.key_codes = self._joined(self.key_codes, codec.quantize_pre(pre))
                 return
-        self.store["k_pending"] = keys
+        self.pending_keys = keys
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if "k_pending" not in self.store:
+        if self.pending_keys is None:
             return self._segment().dequantize(self.dtype)
-        values = dequantize(self._held("v", self.value_dim), self.dtype)
-        keys = self.store["k_pending"]  # some row not fitted yet: fitted rows read their keys through their codes
+        values = dequantize(self.value_codes, self.dtype)
+        keys = self.pending_keys  # some row not fitted yet: fitted rows read their keys through their codes
         if self.rows_fitted is None:
             return keys, values
         positions, _ = self._positions(self.cumulative_length - keys.shape[2], keys.shape[2], keys.shape[0])
@@ -188,7 +184,7 @@ class UniformQuantLayer(CompressedLayer):
 
     def _segment(self) -> TokenSegment:
         """The held codes (every row's key statistics fitted), pre-RoPE keys with their true positions."""
-        keys, values = self._held("k", self.head_dim), self._held("v", self.value_dim)
+        keys, values = self.key_codes, self.value_codes
         if self.key_codec is None:
             return TokenSegment(keys, values)
         held = keys.codes.shape[2]
@@ -198,13 +194,30 @@ class UniformQuantLayer(CompressedLayer):
     def attention_segments(self) -> list | None:
         """The held codes as one `TokenSegment` the fused attention reads in place (once the key statistics of every
         row are fitted); None otherwise (the layer then hands over dequantized tensors)."""
-        if "k_pending" in self.store or "k_codes" not in self.store:
+        if self.pending_keys is not None or self.key_codes is None:
             return None
         return [self._segment()]
 
+    # ---- storage and accounting ---------------------------------------------------------------------------------
+    def tokens_held(self) -> int:
+        return 0 if self.value_codes is None else self.value_codes.tokens
+
+    def batch_size(self) -> int:
+        return 0 if self.value_codes is None else self.value_codes.codes.shape[0]
+
+    def _map_store(self, fn) -> None:
+        if self.key_codes is not None:
+            self.key_codes = self.key_codes.map_rows(fn)
+        if self.value_codes is not None:
+            self.value_codes = self.value_codes.map_rows(fn)
+        if self.pending_keys is not None:
+            self.pending_keys = fn(self.pending_keys)
+
     def held_tensors(self) -> list[torch.Tensor]:
+        held = [t for q in (self.key_codes, self.value_codes) if q is not None for t in q.tensors()]
+        held += [] if self.pending_keys is None else [self.pending_keys]
         extra = [] if self.rows_fitted is None else [self.rows_fitted]
-        return super().held_tensors() + ([] if self.key_codec is None else self.key_codec.tensors()) + extra
+        return held + ([] if self.key_codec is None else self.key_codec.tensors()) + extra
 
     def _map_rows(self, fn) -> None:
         super()._map_rows(fn)
@@ -215,8 +228,14 @@ class UniformQuantLayer(CompressedLayer):
             self.rows_fitted = fn(self.rows_fitted)
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """The stored codes and scales, plus `key_shift` / `key_scale` once pre-RoPE keys are fitted."""
-        out = dict(self.store)
+        """The stored codes and scales by name (`k_codes`, `k_scale`, `k_zero`, the same for `v`; `k_pending`), plus
+        `key_shift` / `key_scale` once pre-RoPE keys are fitted and `key_rows_fitted` while some row is not."""
+        out = {}
+        for prefix, q in (("k", self.key_codes), ("v", self.value_codes)):
+            if q is not None:
+                out.update({f"{prefix}_{name}": getattr(q, name) for name in q.row_fields()})
+        if self.pending_keys is not None:
+            out["k_pending"] = self.pending_keys
         if self.key_codec is not None and self.key_codec.fitted:
             out.update(key_shift=self.key_codec.shift, key_scale=self.key_codec.scale)
         if self.rows_fitted is not None:
@@ -224,16 +243,30 @@ class UniformQuantLayer(CompressedLayer):
         return out
 
     def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Inverse of `state_tensors`: the key statistics go back to the codec, the rest to the store."""
+        """Inverse of `state_tensors` (after `lazy_initialization`, which sets the head dims): the key statistics go
+        back to the codec, the codes to `key_codes` / `value_codes`."""
         tensors = dict(tensors)
         shift, scale = tensors.pop("key_shift", None), tensors.pop("key_scale", None)
         self.rows_fitted = tensors.pop("key_rows_fitted", None)
         if shift is not None and self.key_codec is None:
             raise ValueError("these codes hold pre-RoPE keys, but this cache stores keys as they come: rebuild it "
                              "with key_quant='prerope' and the model config")
-        self.store = tensors
+        self.pending_keys = tensors.pop("k_pending", None)
+        self.key_codes, self.value_codes = (self._loaded(tensors, prefix, n)
+                                            for prefix, n in (("k", self.head_dim), ("v", self.value_dim)))
+        if tensors:
+            raise ValueError(f"unknown tensors for a uniform layer: {sorted(tensors)}")
         if shift is not None:
             self.key_codec.shift, self.key_codec.scale = shift, scale
+
+    def _loaded(self, tensors: dict[str, torch.Tensor], prefix: str, n: int) -> QuantizedTensor | None:
+        """The `QuantizedTensor` named `prefix` in `tensors` (popped), in this layer's format; None if absent."""
+        codes = tensors.pop(f"{prefix}_codes", None)
+        scale, zero = tensors.pop(f"{prefix}_scale", None), tensors.pop(f"{prefix}_zero", None)
+        if codes is None:
+            return None
+        o = self.options
+        return QuantizedTensor(codes, scale, zero, o.fmt, o.bits, o.resolved_group(n), n)
 
     def _crop_newest(self, n: int) -> None:
         check_window_crop(self, n)
@@ -242,6 +275,7 @@ class UniformQuantLayer(CompressedLayer):
     def reset(self) -> None:
         super().reset()
         self.rows_fitted = None
+        self.key_codes = self.value_codes = self.pending_keys = None
         if self.key_codec is not None:
             self.key_codec.shift = self.key_codec.scale = None
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from .packing import lane_factors, pack_bits, unpack_lanes
+from .rows import TokenRows
 
 FP8_DTYPES = {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 _SCALE_DTYPE = torch.float16
@@ -25,8 +26,10 @@ _TINY = 1e-6  # smallest scale kept; fp16 still represents it (as a subnormal) a
 
 
 @dataclass
-class QuantizedTensor:
-    """Codes plus per-group scale (and zero point); every field keeps the leading dims of the source tensor."""
+class QuantizedTensor(TokenRows):
+    """Codes plus per-group scale (and zero point); every field keeps the leading dims of the source tensor. Of a
+    tensor laid out `[batch, kv_heads, tokens, n]` (the caches' keys and values) every field has one row per token
+    along dim -2, so `TokenRows` slices, concatenates and maps it by rows."""
 
     codes: torch.Tensor  # uint8 packed codes, or an fp8 tensor
     scale: torch.Tensor  # [..., n_groups] fp16
@@ -38,6 +41,9 @@ class QuantizedTensor:
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
+
+    def row_fields(self) -> dict[str, int]:
+        return dict(codes=1, scale=1) | ({} if self.zero is None else dict(zero=1))
 
 
 def scale_to_fp16(scale: torch.Tensor) -> torch.Tensor:

@@ -280,11 +280,8 @@ class PrefixStore:
     def _snapshot(cache: Cache) -> Cache:
         snap = copy.copy(cache)
         layers = []
-        for layer in cache.layers:
-            c = copy.copy(layer)
-            if isinstance(getattr(layer, "store", None), dict):
-                c.store = dict(layer.store)
-            layers.append(c)
+        for layer in cache.layers:  # a layer's crop assigns new storage objects: a shallow copy leaves the original
+            layers.append(copy.copy(layer))
         snap.layers = layers
         return snap
 

@@ -42,7 +42,7 @@ def test_storage_really_shrinks(dtype, min_ratio, max_bytes_per_elem):
     fill(cache)
     stats = cache.memory_stats()
     elements = 2 * LAYERS * B * H * 40 * D
-    held = sum(t.nbytes for layer in cache.layers for t in layer.store.values())
+    held = sum(t.nbytes for layer in cache.layers for q in (layer.key_codes, layer.value_codes) for t in q.tensors())
     stats_bytes = 2 * B * H * D * 4 if cache.key_quant == "prerope" else 0  # float32 key shift, scale per row
     assert cache.key_quant == ("token" if dtype == "fp8" else "prerope")
     assert stats["bytes"] == held + LAYERS * stats_bytes
@@ -191,7 +191,7 @@ def test_prerope_stats_per_row_fit_after_32_tokens_skip_padding_and_count_in_byt
     alone = UniformQuantCache(config=tiny_config(), dtype="int8", key_quant="prerope")
     alone.update(keys[1:, :, 6:16], keys[1:, :, 6:16], 0)
     alone.update(keys[1:, :, 16:], keys[1:, :, 16:], 0)
-    assert torch.equal(alone.layers[0].store["k_codes"][0], layer.store["k_codes"][1, :, 6:])
+    assert torch.equal(alone.layers[0].key_codes.codes[0], layer.key_codes.codes[1, :, 6:])
     layer.batch_select_indices(torch.tensor([1]))  # the statistics follow their rows
     torch.testing.assert_close(codec.shift, alone.layers[0].key_codec.shift, atol=1e-6, rtol=1e-6)
     cache.reset()
@@ -228,14 +228,14 @@ def test_a_row_with_fewer_than_32_real_tokens_stays_exact_until_it_has_them():
     cache.set_padding(mask[:, :40])
     layer = cache.layers[0]
     cache.update(keys[:, :, :40], keys[:, :, :40], 0)  # row 0: 40 real tokens, row 1: 20
-    assert layer.rows_fitted.tolist() == [True, False] and "k_pending" in layer.store
+    assert layer.rows_fitted.tolist() == [True, False] and layer.pending_keys is not None
     held, _ = layer.materialize()
     assert torch.equal(held[1], keys[1, :, :40])  # not fitted: exact
     alone = UniformQuantCache(config=tiny_config(), dtype="int4")
     alone.update(keys[:1, :, :40], keys[:1, :, :40], 0)
     torch.testing.assert_close(held[0], alone.layers[0].materialize()[0][0], atol=1e-5, rtol=0)
     cache.update(keys[:, :, 40:], keys[:, :, 40:], 0)  # row 1 reaches 32 real tokens: every key to codes
-    assert layer.rows_fitted is None and "k_pending" not in layer.store and layer.key_codec.shift.shape[0] == B
+    assert layer.rows_fitted is None and layer.pending_keys is None and layer.key_codec.shift.shape[0] == B
     held, _ = layer.materialize()
     err = (held - keys)[:, :, 20:].norm() / keys[:, :, 20:].norm()
     assert err < 0.12  # measured 9.5 %

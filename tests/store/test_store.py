@@ -86,6 +86,28 @@ def test_match_is_chunk_aligned_and_generate_continues(tiny):
     assert s["hits"] == 2 and s["misses"] == 1 and s["kv_entries"] == 1 and s["bytes"] > 0
 
 
+def test_inserting_encodes_a_cropped_copy_and_leaves_the_cache_whole(tiny):
+    """The store keeps whole chunks: it crops a shallow copy of the cache's layers before encoding; the caller's
+    compressed cache keeps every token and every code."""
+    from hf_kvcache import UniformQuantCache
+
+    model, cfg = tiny
+    store = PrefixStore(config=cfg, chunk=32, mode="lossless", cost_model=CostModel(**SLOW_PREFILL))
+    ids = _ids(100, 3)
+    cache = UniformQuantCache(config=cfg, dtype="int8")
+    with torch.no_grad():
+        model(ids, past_key_values=cache)
+    before = [layer.state_tensors() for layer in cache.layers]
+    store.insert(ids, cache)
+    store.flush()
+    assert cache.get_seq_length() == 100
+    for layer, old in zip(cache.layers, before):
+        now = layer.state_tensors()
+        assert now.keys() == old.keys() and all(torch.equal(now[k], old[k]) for k in old)
+    stored, hit = store.match(ids)
+    assert hit.kind == "kv" and hit.tokens == 96 and stored.get_seq_length() == 96
+
+
 def test_generate_helper_hits_on_the_second_call(tiny):
     model, cfg = tiny
     store = PrefixStore(config=cfg, chunk=16, cost_model=CostModel(**SLOW_PREFILL), encode_options={"bins": 64})
