@@ -26,7 +26,7 @@ from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.prerope import FIT_TOKENS, PreRopeKeys
 from ..quant.uniform import FP8_DTYPES, QuantizedTensor, dequantize, quantize
 from .base import CompressedCache, CompressedLayer
-from .window import check_window_crop
+from .coded import CodedKV
 
 DTYPES = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
 ALIASES = {"fp8": "fp8_e4m3"}
@@ -91,10 +91,11 @@ class UniformPreRopeKeys(PreRopeKeys):
         return dequantize(q, torch.float32)
 
 
-class UniformQuantLayer(CompressedLayer):
+class UniformQuantLayer(CodedKV, CompressedLayer):
     """Keys and values quantized per token: `key_codes` / `value_codes` (`QuantizedTensor`: codes, scale and, when
     asymmetric, zero, each `[batch, kv_heads, tokens, ...]`), and `pending_keys` (model dtype) while pre-RoPE key
-    statistics wait for rows to fill. With `sliding_window`, only the newest `sliding_window - 1` tokens are kept."""
+    statistics wait for rows to fill. With `sliding_window`, only the newest `sliding_window - 1` tokens are kept.
+    Storage methods and the window's drop: `CodedKV`."""
 
     options: UniformQuantOptions
     supports_sliding = True
@@ -133,9 +134,7 @@ class UniformQuantLayer(CompressedLayer):
         else:
             self._append_prerope(key_states)
         self.value_codes = self._joined(self.value_codes, self.options.quantize(value_states))
-        drop = self.tokens_held() - (self.sliding_window - 1) if self.sliding_window is not None else 0
-        if drop > 0:  # positions no later query can see; copies, so that no view keeps the dropped rows alive
-            self._map_store(lambda t: t[:, :, drop:].clone())
+        self._keep_window()
 
     def _append_prerope(self, keys: torch.Tensor) -> None:
         """`key_quant="prerope"`: each row's key statistics are fitted from its own real keys once it has seen
@@ -198,26 +197,9 @@ class UniformQuantLayer(CompressedLayer):
             return None
         return [self._segment()]
 
-    # ---- storage and accounting ---------------------------------------------------------------------------------
-    def tokens_held(self) -> int:
-        return 0 if self.value_codes is None else self.value_codes.tokens
-
-    def batch_size(self) -> int:
-        return 0 if self.value_codes is None else self.value_codes.codes.shape[0]
-
-    def _map_store(self, fn) -> None:
-        if self.key_codes is not None:
-            self.key_codes = self.key_codes.map_rows(fn)
-        if self.value_codes is not None:
-            self.value_codes = self.value_codes.map_rows(fn)
-        if self.pending_keys is not None:
-            self.pending_keys = fn(self.pending_keys)
-
+    # ---- storage and accounting (the rest: `CodedKV`) ----------------------------------------------------------
     def held_tensors(self) -> list[torch.Tensor]:
-        held = [t for q in (self.key_codes, self.value_codes) if q is not None for t in q.tensors()]
-        held += [] if self.pending_keys is None else [self.pending_keys]
-        extra = [] if self.rows_fitted is None else [self.rows_fitted]
-        return held + ([] if self.key_codec is None else self.key_codec.tensors()) + extra
+        return super().held_tensors() + ([] if self.rows_fitted is None else [self.rows_fitted])
 
     def _map_rows(self, fn) -> None:
         super()._map_rows(fn)
@@ -268,16 +250,10 @@ class UniformQuantLayer(CompressedLayer):
         o = self.options
         return QuantizedTensor(codes, scale, zero, o.fmt, o.bits, o.resolved_group(n), n)
 
-    def _crop_newest(self, n: int) -> None:
-        check_window_crop(self, n)
-        super()._crop_newest(n)
-
     def reset(self) -> None:
         super().reset()
         self.rows_fitted = None
-        self.key_codes = self.value_codes = self.pending_keys = None
-        if self.key_codec is not None:
-            self.key_codec.shift = self.key_codec.scale = None
+        self._clear_codes()
 
 
 class UniformQuantCache(CompressedCache):
