@@ -449,7 +449,7 @@ def token_sweep(device: str, opts, deadline: Deadline, settings=TOKEN_SETTINGS, 
     `token_partial_triton`'s block / num_warps / waves, and `num_stages`) for each case of `cases` (dicts of
     head_dim, dtype, batch, prerope): GPU time of the kernel alone (its split partials left unmerged, replayed from a
     CUDA graph) and errors against the default launch."""
-    from hf_kvcache.kernels.triton_tokens import TOKEN_WAVES, token_launch, token_partial_triton
+    from hf_kvcache.kernels.triton_tokens import token_launch, token_partial_triton
 
     built = []
     for c in cases:
@@ -463,9 +463,9 @@ def token_sweep(device: str, opts, deadline: Deadline, settings=TOKEN_SETTINGS, 
             if deadline.passed():
                 rows.append(dict(setting="(budget spent)"))
                 return rows
-            block, warps = token_launch(base["head_dim"], False)
+            block, warps, waves = token_launch(base["head_dim"], False)
             row = dict(base, kernel="tokens", dot_f32=False,
-                       default=s == dict(block=block, num_warps=warps, waves=TOKEN_WAVES), **s)
+                       default=s == dict(block=block, num_warps=warps, waves=waves), **s)
             try:
                 got = token_partial_triton(q, seg, None, dot_f32=False, **s)
                 row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())

@@ -25,15 +25,16 @@ from .triton_quant import _code_rows
 # bf16 dots at head dims up to 128, tiles of 64 tokens on 4 warps and token splits for 8 programs per SM (the 16-token,
 # 8-warp launch, chosen earlier from the compiled cubins alone for no spill, ran 2.5-3.7x slower there); fp32 dots and
 # head dim 256 keep that launch (the larger tile spills there; not timed on a GPU)
-TOKEN_BLOCK = 64
-TOKEN_WARPS = 4
-TOKEN_WAVES = 8
-SMALL_BLOCK, SMALL_WARPS = 16, 8
+TOKEN_BLOCK, TOKEN_WARPS, TOKEN_WAVES = 64, 4, 8
+SMALL_BLOCK, SMALL_WARPS, SMALL_WAVES = 16, 8, 2
 
 
-def token_launch(head_dim: int, dot_f32: bool) -> tuple[int, int]:
-    """(tokens per tile, warps) of the token kernel's default launch for `head_dim` and the dots' precision."""
-    return (TOKEN_BLOCK, TOKEN_WARPS) if head_dim <= 128 and not dot_f32 else (SMALL_BLOCK, SMALL_WARPS)
+def token_launch(head_dim: int, dot_f32: bool) -> tuple[int, int, int]:
+    """(tokens per tile, warps, programs per SM) of the token kernel's default launch for `head_dim` and the dots'
+    precision."""
+    if head_dim <= 128 and not dot_f32:
+        return TOKEN_BLOCK, TOKEN_WARPS, TOKEN_WAVES
+    return SMALL_BLOCK, SMALL_WARPS, SMALL_WAVES
 
 
 @triton.jit
@@ -151,15 +152,15 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
 
 def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
                          dot_f32: bool | None = None, merged: bool = True, block: int | None = None,
-                         num_warps: int | None = None, waves: int = TOKEN_WAVES, num_stages: int | None = None):
+                         num_warps: int | None = None, waves: int | None = None, num_stages: int | None = None):
     """(m, l, acc) of `q` [B, Hkv, M, D] (already scaled) over `seg`, split along tokens then merged.
 
     Args:
         dot_f32: the IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under
             the interpreter). merged: False returns the per-split partials (m, l `[B*Hkv, S, M_PAD]`, acc
             `[..., D]`). block, num_warps, waves, num_stages: tokens per tile, warps per program, programs per SM,
-            software-pipeline stages (None: `token_launch`'s tile and warps, Triton's default stages; the launch
-            knobs `hf-kvcache gpu-check` sweeps).
+            software-pipeline stages (None: `token_launch`'s, and Triton's default stages; the launch knobs
+            `hf-kvcache gpu-check` sweeps).
     """
     b, h, m, d = q.shape
     n_tok = seg.tokens
@@ -179,8 +180,8 @@ def token_partial_triton(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
         frame, stats_batched, pos_batched, scaling = [qp, qp, qp, qp], 0, 0, 1.0
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else parts[0]
     dot_f32 = interpreting() or (q.dtype == torch.float32 if dot_f32 is None else dot_f32)
-    default_block, default_warps = token_launch(d, dot_f32)
-    block, num_warps = block or default_block, num_warps or default_warps
+    default_block, default_warps, default_waves = token_launch(d, dot_f32)
+    block, num_warps, waves = block or default_block, num_warps or default_warps, waves or default_waves
     n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad, block, waves)
     _token_attn_kernel[(b * h, n_split)](
         qp, *parts, *frame, valid, m_out, l_out, acc_out, n_tok, h, per_split, parts[0].shape[-1],

@@ -134,7 +134,7 @@ def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
                                    valid_ptr=I8 if has_valid else P8, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
                                    kv_heads=I32, tokens_per_split=I32, kc_row=I32, vc_row=I32, stats_batched=I32,
                                    pos_batched=I32, rope_scaling="fp32")
-                        block, warps = token_launch(d, dot_f32)
+                        block, warps, _ = token_launch(d, dot_f32)
                         c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, BLOCK=block, K_BITS=bits,
                                  V_BITS=bits, K_GROUP=group or d, V_GROUP=group or d, K_ZERO=zeros, V_ZERO=zeros,
                                  DOT_F32=dot_f32, FAST_TRIG=True)
