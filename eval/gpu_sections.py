@@ -429,7 +429,7 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
             fn = quant_partial_triton if s["kernel"] == "general" else quant_partial_rows
             try:
                 got = fn(q, seg, None, **knobs)
-                row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
+                row["max_err"] = _output_error(got, ref)
                 row["ms"] = time_ms(lambda: fn(q, seg, None, **knobs), opts.iters, device)
                 row["gb_per_s"] = seg.nbytes() / row["ms"] / 1e6
                 row.update(_graph_or_error(lambda: fn(q, seg, None, **knobs), opts.iters))
@@ -437,6 +437,11 @@ def kernel_sweep(device: str, opts, deadline: Deadline) -> list[dict]:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)
     return rows
+
+
+def _output_error(got, ref) -> float:
+    """Largest difference of the normalized outputs (acc / l) of two partials (m, l, acc)."""
+    return float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
 
 
 TOKEN_SETTINGS = tuple(dict(block=bl, num_warps=w, waves=wv) for bl in (16, 32, 64) for w in (2, 4, 8) for wv in (2, 8))
@@ -468,11 +473,10 @@ def token_sweep(device: str, opts, deadline: Deadline, settings=TOKEN_SETTINGS, 
                        default=s == dict(block=block, num_warps=warps, waves=waves), **s)
             try:
                 got = token_partial_triton(q, seg, None, dot_f32=False, **s)
-                row["max_err"] = float(((got[2] / got[1].unsqueeze(-1)) - (ref[2] / ref[1].unsqueeze(-1))).abs().max())
+                row["max_err"] = _output_error(got, ref)
                 row["ms"] = graph_ms(lambda: token_partial_triton(q, seg, None, dot_f32=False, merged=False, **s),
                                      opts.iters)
-                nbytes = sum(t.nbytes for t in (*seg.keys.tensors(), *seg.values.tensors()))
-                row["gb_per_s"] = nbytes / row["ms"] / 1e6
+                row["gb_per_s"] = segment_bytes([seg]) / row["ms"] / 1e6
             except Exception as exc:
                 row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             rows.append(row)

@@ -62,6 +62,11 @@ class CodedKV:
         keep = self.tokens_held() - n
         self._map_store(lambda t: t[:, :, :keep])
 
+    @staticmethod
+    def _joined(held: TokenRows | None, new: TokenRows) -> TokenRows:
+        """`new` appended to `held` along the tokens."""
+        return new if held is None else held.cat(new)
+
     def _keep_window(self) -> None:
         """With `sliding_window`, drop the tokens no later query can see (copies: no view keeps them alive)."""
         drop = self.tokens_held() - (self.sliding_window - 1) if self.sliding_window is not None else 0

@@ -112,11 +112,6 @@ class UniformQuantLayer(CodedKV, CompressedLayer):
         self.value_codes: QuantizedTensor | None = None
         self.pending_keys: torch.Tensor | None = None  # every key so far, while some row is not fitted (prerope)
 
-    @staticmethod
-    def _joined(held: QuantizedTensor | None, new: QuantizedTensor) -> QuantizedTensor:
-        """`new` appended to `held` along the tokens."""
-        return new if held is None else held.cat(new)
-
     def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The true positions of cache indices start..start+n-1 (`[batch, 1, n]`: the index minus the row's left
         padding, so a padded row's keys are undone at the positions the model rotated them at, as alone) and which

@@ -46,8 +46,8 @@ class QuantizedWindowLayer(CodedKV, CompressedLayer):
         else:
             new_k = self.quant.quantize(key_states)
         new_v = self.quant.quantize(value_states)
-        self.key_codes = new_k if held_k is None else held_k.cat(new_k)
-        self.value_codes = new_v if self.value_codes is None else self.value_codes.cat(new_v)
+        self.key_codes = self._joined(held_k, new_k)
+        self.value_codes = self._joined(self.value_codes, new_v)
         self._keep_window()
 
     def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
