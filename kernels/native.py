@@ -70,26 +70,35 @@ def _build_dir() -> Path:
     return Path(os.environ.get("HF_KVCACHE_NATIVE_DIR") or Path.home() / ".cache" / "hf-kvcache" / "native")
 
 
-def _compile() -> ctypes.CDLL:
+def compile_library(source_path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """`source_path` compiled with the system C compiler and `flags` into the build folder (once per source, flags
+    and CPU; concurrent builders each write their own file, then one atomic rename), loaded.
+
+    Raises:
+        RuntimeError: no compiler, or the compile failed (its error in the message)."""
     cc = shlex.split(os.environ.get("CC") or "cc")
     if shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler: {cc[0]!r} is not on PATH (set CC)")
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(cc + list(FLAGS)).encode(), _cpu_key().encode()])).hexdigest()
-    target = _build_dir() / f"native_decode_{key[:16]}.so"
+    source = source_path.read_bytes()
+    key = hashlib.sha256(b"\0".join([source, " ".join(cc + list(flags)).encode(), _cpu_key().encode()])).hexdigest()
+    target = _build_dir() / f"{source_path.stem}_{key[:16]}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            run = subprocess.run([*cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True)
+            run = subprocess.run([*cc, *flags, str(source_path), "-o", tmp, "-lm"], capture_output=True, text=True)
             if run.returncode:
                 raise RuntimeError(f"{' '.join(cc)} failed: {run.stderr.strip()[-2000:]}")
             os.replace(tmp, target)  # atomic: concurrent builders each write their own file
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)
-    lib = ctypes.CDLL(str(target))
+    return ctypes.CDLL(str(target))
+
+
+def _compile() -> ctypes.CDLL:
+    lib = compile_library(SOURCE, FLAGS)
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.quant_partial.restype = i
     lib.quant_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p, p,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from ..kernels import native_encode
 from ..kernels.segments import TokenSegment
 from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.prerope import FIT_TOKENS, PreRopeKeys
@@ -74,8 +75,14 @@ class UniformQuantOptions(CacheOptions):
         return DEFAULTS[self.dtype][2] if self.symmetric is None else self.symmetric
 
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
-        """`x [..., d]` in this format, scales per token over groups of channels."""
-        return quantize(x, self.fmt, self.bits, self.resolved_group(x.shape[-1]), self.resolved_symmetric())
+        """`x [..., d]` in this format, scales per token over groups of channels (integer formats of `[b, h, n, d]`
+        on the CPU: the native encoder, the same bits in one call)."""
+        group, symmetric = self.resolved_group(x.shape[-1]), self.resolved_symmetric()
+        if self.fmt == "int" and x.dim() == 4:
+            coded = native_encode.encode(x, self.bits, group, symmetric)
+            if coded is not None:
+                return coded
+        return quantize(x, self.fmt, self.bits, group, symmetric)
 
 
 @dataclass
@@ -89,6 +96,19 @@ class UniformPreRopeKeys(PreRopeKeys):
 
     def decode_codes(self, q: QuantizedTensor) -> torch.Tensor:
         return dequantize(q, torch.float32)
+
+    def encode_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> QuantizedTensor:
+        """`quantize_pre(derotate(keys, positions))` of a fitted codec (post-RoPE `keys [b, h, n, d]`, `positions`
+        `[n]` or `[b, 1, n]`): on the CPU in one native call (the same bits), else through those two."""
+        opts = self.options
+        if opts.fmt == "int" and self.fitted:
+            cos, sin = self.rope.cos_sin_at(positions)
+            coded = native_encode.encode(keys, opts.bits, opts.resolved_group(keys.shape[-1]),
+                                         opts.resolved_symmetric(), angles=(cos, sin), unscale=self.rope.scaling,
+                                         frame=(self.shift, self.scale))
+            if coded is not None:
+                return coded
+        return self.quantize_pre(self.derotate(keys, positions))
 
 
 class UniformQuantLayer(CodedKV, CompressedLayer):
@@ -141,7 +161,7 @@ class UniformQuantLayer(CodedKV, CompressedLayer):
         pending, self.pending_keys = self.pending_keys, None
         if pending is None and codec.fitted:  # every row fitted
             positions, _ = self._positions(seen - n, n, b)
-            self.key_codes = self._joined(self.key_codes, codec.quantize_pre(codec.derotate(keys, positions)))
+            self.key_codes = self._joined(self.key_codes, codec.encode_keys(keys, positions))
             return
         keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
         held = keys.shape[2]

@@ -87,7 +87,7 @@ def quantize(
         qmax = 2**bits - 1
         lo, hi = g.amin(-1), g.amax(-1)
         scale = scale_to_fp16((hi - lo) / qmax)
-        zero = lo.to(_SCALE_DTYPE)
+        zero = (lo + 0.0).to(_SCALE_DTYPE)  # + 0.0: a zero of -0.0 kept as +0.0 (the same value, one bit pattern)
         q = torch.round((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp(0, qmax)
     codes = pack_bits(q.to(torch.uint8).reshape(x.shape), bits)
     return QuantizedTensor(codes, scale, zero, "int", bits, group_size, n)

@@ -158,8 +158,8 @@ def test_long_rows_at_each_length_are_the_shorter_streams(tiny_llama):
     assert rows[3]["ratio"] > rows[2]["ratio"] > 1 and len(rows[3]["chunk_nll"]) == 16
     assert rows[3]["perplexity"] == pytest.approx(math.exp(sum(rows[3]["chunk_nll"]) / 255), rel=1e-6)  # fp32 perplexity
     compared = compare_to_baseline(rows)
-    for r in compared[2:]:
-        assert r["low_pct"] <= r["delta_pct"] <= r["high_pct"]
+    for r in compared[2:]:  # the point estimate and the percentiles round apart by ~1e-14 on some CPUs
+        assert r["low_pct"] - 1e-9 <= r["delta_pct"] <= r["high_pct"] + 1e-9
     assert "| tiny | 256 | t | attached |" in markdown_table(rows)
     with pytest.raises(ValueError, match="multiple of --chunk"):
         LongRun("tiny", start=0, lengths=[100], chunk=32)

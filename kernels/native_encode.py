@@ -1,0 +1,109 @@
+"""New keys and values into per-token integer codes on the CPU in one C call (`native_encode.c`): what
+`quant.uniform.quantize` computes (and, for pre-RoPE keys, `PreRopeKeys.derotate` then the frame's normalization
+first), bit for bit, without the two dozen small torch operations a decode step's single token otherwise costs per
+layer.
+
+Built like the decode kernel (`native.compile_library`), but without -ffast-math and with -ffp-contract=off, so that
+every operation rounds as torch's does. Unavailable (None from `encode`) where no compiler works, with
+`HF_KVCACHE_NATIVE=0`, off the CPU, or for a format it does not take (fp8, 3 / 5 / 6 / 7 bits); callers then keep
+the torch code.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from hf_kvcache.quant.uniform import QuantizedTensor
+
+from .native import _Build, compile_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native_encode.c")
+FLAGS = ("-O2", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
+BITS = (2, 4, 8)
+
+_lock = threading.Lock()
+_build = _Build()
+
+
+def library() -> ctypes.CDLL | None:
+    """The compiled encoder, built on first use; None (after one warning) where it cannot be built or is off."""
+    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
+        return None
+    build = _build
+    if not build.tried:
+        with _lock:
+            if not build.tried:
+                try:
+                    lib = compile_library(SOURCE, FLAGS)
+                    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+                    lib.encode_tokens.restype = i
+                    lib.encode_tokens.argtypes = [p, i, i, i, i, p, p, i64, ctypes.c_float, p, p, i64, i, i, i, p,
+                                                  p, p]
+                    build.lib = lib
+                except (OSError, RuntimeError) as exc:
+                    build.error = str(exc)
+                    logger.warning("hf_kvcache: the native CPU encoder is unavailable (%s); codes are computed "
+                                   "by torch", exc)
+    return build.lib
+
+
+def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tuple[torch.Tensor, torch.Tensor] | None
+           = None, unscale: float = 1.0, frame: tuple[torch.Tensor, torch.Tensor] | None = None
+           ) -> QuantizedTensor | None:
+    """Integer codes of `x [B, H, N, D]` per token in groups of `group` channels, or None where the encoder does not
+    serve (see the module docstring).
+
+    Args:
+        x: keys or values, any float dtype (read as float32).
+        bits, group, symmetric: the format (`quant.uniform.quantize`'s `bits`, `group_size`, `symmetric`).
+        angles: (cos, sin) `[B or 1, N, D / 2]` float32 of each token's RoPE angles: the rotation is undone first,
+            then the result divided by `unscale` (the RoPE's attention scaling).
+        frame: (shift, scale) `[B or 1, H, 1, D]` float32: channels normalized as `(x - shift) / scale` next.
+
+    Returns:
+        The `QuantizedTensor` `quantize(x', "int", bits, group, symmetric)` gives for the transformed `x'`.
+    """
+    b, h, n, d = x.shape
+    if x.device.type != "cpu" or bits not in BITS or d % group or d > 1024 or d % 2:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    x = x.float().contiguous()
+    cos = sin = shift = scale = None
+    ang_sb = frame_sb = 0
+    if angles is not None:
+        cos, sin = (t.float().reshape(-1, n, d // 2).contiguous() for t in angles)
+        if cos.shape[0] not in (1, b):
+            return None
+        ang_sb = n * (d // 2) if cos.shape[0] > 1 else 0
+    if frame is not None:
+        shift, scale = (t.float().reshape(-1, h, d).contiguous() for t in frame)
+        if shift.shape[0] not in (1, b):
+            return None
+        frame_sb = h * d if shift.shape[0] > 1 else 0
+    codes = torch.empty(b, h, n, d * bits // 8, dtype=torch.uint8)
+    scales = torch.empty(b, h, n, d // group, dtype=torch.float16)
+    zeros = None if symmetric else torch.empty_like(scales)
+    rc = lib.encode_tokens(
+        x.data_ptr(), b, h, n, d, _ptr(cos), _ptr(sin), ang_sb, unscale, _ptr(shift), _ptr(scale), frame_sb, bits,
+        group, int(symmetric), codes.data_ptr(), scales.data_ptr(), _ptr(zeros),
+    )
+    if rc:
+        return None
+    return QuantizedTensor(codes, scales, zeros, "int", bits, group, d)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+__all__ = ["encode", "library"]
