@@ -23,8 +23,9 @@ import subprocess
 import tempfile
 import threading
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -43,17 +44,30 @@ CHUNK_TOKENS = 1024
 
 @dataclass
 class _Build:
-    """The outcome of building and loading the library: one of the two is set once it was tried."""
+    """The outcome of building and loading a library: one of the two is set once it was tried."""
 
     lib: ctypes.CDLL | None = None
     error: str | None = None  # why there is no library
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def tried(self) -> bool:
         return self.lib is not None or self.error is not None
 
+    def load(self, make: Callable[[], ctypes.CDLL], what: str) -> ctypes.CDLL | None:
+        """The library `make` builds, built once (the first caller builds, the others wait); None after one
+        warning naming `what` (and what runs instead) where it cannot be built."""
+        if not self.tried:
+            with self.lock:
+                if not self.tried:
+                    try:
+                        self.lib = make()
+                    except (OSError, RuntimeError) as exc:
+                        self.error = str(exc)
+                        logger.warning("hf_kvcache: %s is unavailable (%s)", what, exc)
+        return self.lib
 
-_lock = threading.Lock()
+
 _build = _Build()
 _off = threading.local()  # `turned_off()` sets `.depth` in this thread
 
@@ -129,17 +143,7 @@ def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (after one warning) where it cannot be built or is off."""
     if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0" or getattr(_off, "depth", 0):
         return None
-    build = _build
-    if not build.tried:
-        with _lock:
-            if not build.tried:
-                try:
-                    build.lib = _compile()
-                except (OSError, RuntimeError) as exc:
-                    build.error = str(exc)
-                    logger.warning("hf_kvcache: the native CPU decode kernel is unavailable (%s); the fused "
-                                   "attention uses its torch path", exc)
-    return build.lib
+    return _build.load(_compile, "the native CPU decode kernel (the fused attention uses its torch path)")
 
 
 def available() -> tuple[bool, str]:

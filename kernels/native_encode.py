@@ -12,9 +12,7 @@ the torch code.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -23,13 +21,10 @@ from hf_kvcache.quant.uniform import QuantizedTensor
 
 from .native import _Build, compile_library
 
-logger = logging.getLogger(__name__)
-
 SOURCE = Path(__file__).with_name("native_encode.c")
 FLAGS = ("-O2", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
 BITS = (2, 4, 8)
 
-_lock = threading.Lock()
 _build = _Build()
 
 
@@ -37,22 +32,15 @@ def library() -> ctypes.CDLL | None:
     """The compiled encoder, built on first use; None (after one warning) where it cannot be built or is off."""
     if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
         return None
-    build = _build
-    if not build.tried:
-        with _lock:
-            if not build.tried:
-                try:
-                    lib = compile_library(SOURCE, FLAGS)
-                    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
-                    lib.encode_tokens.restype = i
-                    lib.encode_tokens.argtypes = [p, i, i, i, i, p, p, i64, ctypes.c_float, p, p, i64, i, i, i, p,
-                                                  p, p]
-                    build.lib = lib
-                except (OSError, RuntimeError) as exc:
-                    build.error = str(exc)
-                    logger.warning("hf_kvcache: the native CPU encoder is unavailable (%s); codes are computed "
-                                   "by torch", exc)
-    return build.lib
+    return _build.load(_compile, "the native CPU encoder (codes are computed by torch)")
+
+
+def _compile() -> ctypes.CDLL:
+    lib = compile_library(SOURCE, FLAGS)
+    p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+    lib.encode_tokens.restype = i
+    lib.encode_tokens.argtypes = [p, i, i, i, i, p, p, i64, ctypes.c_float, p, p, i64, i, i, i, p, p, p]
+    return lib
 
 
 def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tuple[torch.Tensor, torch.Tensor] | None
