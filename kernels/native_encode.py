@@ -19,7 +19,7 @@ import torch
 
 from hf_kvcache.quant.uniform import QuantizedTensor
 
-from .native import _Build, compile_library
+from .native import _Build, _ptr, compile_library
 
 SOURCE = Path(__file__).with_name("native_encode.c")
 FLAGS = ("-O2", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
@@ -88,10 +88,6 @@ def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tupl
     if rc:
         return None
     return QuantizedTensor(codes, scales, zeros, "int", bits, group, d)
-
-
-def _ptr(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t.data_ptr()
 
 
 __all__ = ["encode", "library"]

@@ -77,12 +77,18 @@ class UniformQuantOptions(CacheOptions):
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         """`x [..., d]` in this format, scales per token over groups of channels (integer formats of `[b, h, n, d]`
         on the CPU: the native encoder, the same bits in one call)."""
-        group, symmetric = self.resolved_group(x.shape[-1]), self.resolved_symmetric()
-        if self.fmt == "int" and x.dim() == 4:
-            coded = native_encode.encode(x, self.bits, group, symmetric)
-            if coded is not None:
-                return coded
-        return quantize(x, self.fmt, self.bits, group, symmetric)
+        coded = self.native_codes(x)
+        if coded is not None:
+            return coded
+        return quantize(x, self.fmt, self.bits, self.resolved_group(x.shape[-1]), self.resolved_symmetric())
+
+    def native_codes(self, x: torch.Tensor, **transform: Any) -> QuantizedTensor | None:
+        """This format's codes of `x [b, h, n, d]` from the native encoder (`transform`: its `angles`, `unscale`
+        and `frame`, applied first), or None where it does not serve (fp8, other ranks, off the CPU, no compiler)."""
+        if self.fmt != "int" or x.dim() != 4:
+            return None
+        return native_encode.encode(x, self.bits, self.resolved_group(x.shape[-1]), self.resolved_symmetric(),
+                                    **transform)
 
 
 @dataclass
@@ -100,12 +106,9 @@ class UniformPreRopeKeys(PreRopeKeys):
     def encode_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> QuantizedTensor:
         """`quantize_pre(derotate(keys, positions))` of a fitted codec (post-RoPE `keys [b, h, n, d]`, `positions`
         `[n]` or `[b, 1, n]`): on the CPU in one native call (the same bits), else through those two."""
-        opts = self.options
-        if opts.fmt == "int" and self.fitted:
-            cos, sin = self.rope.cos_sin_at(positions)
-            coded = native_encode.encode(keys, opts.bits, opts.resolved_group(keys.shape[-1]),
-                                         opts.resolved_symmetric(), angles=(cos, sin), unscale=self.rope.scaling,
-                                         frame=(self.shift, self.scale))
+        if self.fitted and self.options.fmt == "int":  # the angles only where the encoder may serve
+            coded = self.options.native_codes(keys, angles=self.rope.cos_sin_at(positions), unscale=self.rope.scaling,
+                                              frame=(self.shift, self.scale))
             if coded is not None:
                 return coded
         return self.quantize_pre(self.derotate(keys, positions))
