@@ -1,11 +1,22 @@
-"""`CodedKV`: the storage half of a layer that holds keys and values as per-token codes, written once for the uniform
-layer (`caches.uniform`) and the evicting cache's quantized sliding-window layer (`caches.window`).
+"""`CodedLayer`: the one layer that holds keys and values as per-token codes. It is the uniform cache's layer, and the
+quantized sliding-window layer of every cache that has one (uniform, evicting, paged, CPAC: Gemma-3's local layers).
 
-Such a layer keeps `key_codes` and `value_codes` (token-aligned quantized tensors, `quant.rows.TokenRows`: every
-field `[batch, kv_heads, tokens, ...]`), optionally `pending_keys` (keys in the model's dtype while a pre-RoPE frame
-waits for its statistics) and a `key_codec` whose statistics count as held. A sliding-window layer
-(`sliding_window` set) keeps only the newest `sliding_window - 1` tokens, as transformers' sliding layer does, and
-cannot be cropped once it has dropped tokens.
+What the codes are comes from a `TokenFormat` (`quant.rows`): `UniformQuantOptions` (INT8 / INT4 / FP8, scales per
+token over groups of channels; the fused attention reads them in place) or `quant.token.TokenQuant` (KIVI per-token
+groups, the evicting cache's format). Keys may be held in a pre-RoPE frame (`key_codec`, a `quant.prerope.PreRopeKeys`)
+whose per-channel statistics are fitted in one of two ways, which the codec declares:
+
+- `per_row=True` (the uniform format's `UniformPreRopeKeys`): each batch row's statistics come from its own first
+  `FIT_TOKENS` real tokens (left padding does not count); until every row is fitted the keys are held as they come
+  (`pending_keys`, model dtype), and RoPE is undone at each row's true positions.
+- `per_row=False` (the evicting cache's `PreRopeKeys`): one set of statistics per layer, fitted once the positions
+  seen reach `FIT_TOKENS` from the keys held then, which are coded again with them; RoPE is undone at the cache's
+  indices.
+
+Storage: `key_codes` / `value_codes` (token-aligned `quant.rows.TokenRows`, every field `[batch, kv_heads, held,
+...]`), `pending_keys` while some row waits for its statistics, and the key codec's statistics (counted as held).
+With `sliding_window` the layer keeps only the newest `sliding_window - 1` tokens, as transformers' sliding layer
+does (same mask sizes), and cannot be cropped once it has dropped tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +25,10 @@ from typing import Callable
 
 import torch
 
-from ..quant.rows import TokenRows
+from ..kernels.segments import TokenSegment
+from ..options import check_positive_int
+from ..quant.prerope import FIT_TOKENS, PreRopeKeys
+from ..quant.rows import TokenFormat, TokenRows
 from .base import CompressedLayer
 
 
@@ -27,17 +41,114 @@ def check_window_crop(layer: CompressedLayer, n: int) -> None:
         )
 
 
-class CodedKV:
-    """Mixin for a `CompressedLayer` holding per-token codes (see the module docstring): the storage methods the base
-    declares (`tokens_held`, `batch_size`, `_map_store`, `held_tensors`, `_crop_newest`), the sliding window's drop
-    and the reset of what it holds."""
+class CodedLayer(CompressedLayer):
+    """Keys and values as per-token codes of `fmt` (see the module docstring); `sliding_window`: keep only the newest
+    `sliding_window - 1` tokens.
 
-    key_codes: TokenRows | None = None
-    value_codes: TokenRows | None = None
-    pending_keys: torch.Tensor | None = None
-    key_codec = None  # a pre-RoPE key codec (its `tensors()`: the statistics held), or None
-    sliding_window: int | None = None
+    Args:
+        fmt: the codes' format (`UniformQuantOptions` or `TokenQuant`); also the layer's `options`.
+        sliding_window: the model's window for a sliding-window layer, None for a full-attention layer.
+    """
 
+    supports_sliding = True
+
+    def __init__(self, fmt: TokenFormat, sliding_window: int | None = None) -> None:
+        super().__init__(fmt)
+        self.format = fmt
+        if sliding_window is not None:
+            check_positive_int("sliding_window", sliding_window)
+            self.sliding_window = sliding_window
+            self.is_sliding = True
+        self.key_codec: PreRopeKeys | None = None  # pre-RoPE keys; set by the cache
+        self.rows_fitted: torch.Tensor | None = None  # [batch] bool while some rows' key statistics are not fitted
+        self.key_codes: TokenRows | None = None
+        self.value_codes: TokenRows | None = None
+        self.pending_keys: torch.Tensor | None = None  # every key so far, while some row is not fitted (per_row)
+
+    def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The positions at which RoPE is undone for cache indices start..start+n-1: with a per-row key codec and
+        left padding `[batch, 1, n]` (the index minus the row's padding, so a padded row's keys are undone where the
+        model rotated them, as alone), else the indices `[n]`; and which hold real tokens (`[batch, 1, n]` bool;
+        None when no row is padded or the codec is shared)."""
+        index = torch.arange(start, start + n, device=self.device)
+        pad = self.row_padding(batch) if self.key_codec.per_row else None
+        if pad is None:
+            return index, None
+        positions = (index[None] - pad.to(index.device)[:, None]).unsqueeze(1)
+        return positions, positions >= 0
+
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        codec, n = self.key_codec, key_states.shape[2]
+        if codec is None:
+            self.key_codes = self._joined(self.key_codes, self.format.quantize(key_states))
+        elif codec.per_row:
+            self._append_row_fitted(key_states)
+        else:
+            held, new = codec.encode(key_states, self.cumulative_length - n, self.key_codes)
+            self.key_codes = self._joined(held, new)
+        self.value_codes = self._joined(self.value_codes, self.format.quantize(value_states))
+        self._keep_window()
+
+    def _append_row_fitted(self, keys: torch.Tensor) -> None:
+        """Pre-RoPE keys with statistics per row (module docstring): each row is fitted from its own real keys once
+        it has seen `FIT_TOKENS` real tokens. Until every row is fitted the keys of all rows are held as they come
+        (`pending_keys`; a fitted row reads them through its codes, exactly what it would hold alone); then they,
+        and every later key, are stored as codes of the pre-RoPE frame, each key quantized once."""
+        codec, n, seen, b = self.key_codec, keys.shape[2], self.cumulative_length, keys.shape[0]
+        pending, self.pending_keys = self.pending_keys, None
+        if pending is None and codec.fitted:  # every row fitted
+            positions, _ = self._positions(seen - n, n, b)
+            self.key_codes = self._joined(self.key_codes, codec.encode_keys(keys, positions))
+            return
+        keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
+        held = keys.shape[2]
+        pad = self.row_padding(b)
+        real_seen = torch.full((b,), seen, device=keys.device) if pad is None else seen - pad
+        ready = real_seen >= FIT_TOKENS
+        fitted = self.rows_fitted if self.rows_fitted is not None else torch.zeros_like(ready)
+        if bool((ready & ~fitted).any()):
+            positions, real = self._positions(seen - held, held, b)
+            pre = codec.derotate(keys, positions)
+            old = (codec.shift, codec.scale)
+            codec.fit(pre, None if real is None else real.expand(pre.shape[:-1]))
+            if old[0] is not None:  # rows fitted earlier keep their statistics
+                keep = fitted.view(-1, 1, 1, 1)
+                codec.shift, codec.scale = torch.where(keep, old[0], codec.shift), torch.where(keep, old[1], codec.scale)
+            self.rows_fitted = fitted = fitted | ready
+            if bool(fitted.all()):
+                self.rows_fitted = None
+                self.key_codes = self._joined(self.key_codes, codec.quantize_pre(pre))
+                return
+        self.pending_keys = keys
+
+    def materialize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        values = self.format.dequantize(self.value_codes, self.dtype)
+        codec, keys = self.key_codec, self.pending_keys
+        if keys is None:
+            if codec is None:
+                return self.format.dequantize(self.key_codes, self.dtype), values
+            held = self.key_codes.codes.shape[2]
+            positions, _ = self._positions(self.cumulative_length - held, held, self.key_codes.codes.shape[0])
+            return codec.dequantize(self.key_codes, positions, self.dtype), values
+        if self.rows_fitted is None:  # no row fitted yet: the keys as they came
+            return keys, values
+        positions, _ = self._positions(self.cumulative_length - keys.shape[2], keys.shape[2], keys.shape[0])
+        coded = codec.dequantize(codec.quantize_pre(codec.derotate(keys, positions)), positions, self.dtype)
+        return torch.where(self.rows_fitted.view(-1, 1, 1, 1), coded, keys), values
+
+    def attention_segments(self) -> list | None:
+        """The held codes as one `TokenSegment` the fused attention reads in place (a format it reads, once the key
+        statistics of every row are fitted); None otherwise (the layer then hands over dequantized tensors)."""
+        if not self.format.reads_in_place or self.pending_keys is not None or self.key_codes is None:
+            return None
+        keys, values = self.key_codes, self.value_codes
+        if self.key_codec is None:
+            return [TokenSegment(keys, values)]
+        held = keys.codes.shape[2]
+        positions, _ = self._positions(self.cumulative_length - held, held, keys.codes.shape[0])
+        return [TokenSegment(keys, values, self.key_codec, positions)]
+
+    # ---- storage and accounting -------------------------------------------------------------------------------
     def tokens_held(self) -> int:
         return 0 if self.value_codes is None else self.value_codes.tokens
 
@@ -52,10 +163,19 @@ class CodedKV:
         if self.pending_keys is not None:
             self.pending_keys = fn(self.pending_keys)
 
+    def _map_rows(self, fn) -> None:
+        super()._map_rows(fn)
+        codec = self.key_codec
+        if codec is not None and codec.fitted and codec.per_row:  # statistics per row: they follow their rows
+            codec.shift, codec.scale = fn(codec.shift), fn(codec.scale)
+        if self.rows_fitted is not None:
+            self.rows_fitted = fn(self.rows_fitted)
+
     def held_tensors(self) -> list[torch.Tensor]:
         held = [t for q in (self.key_codes, self.value_codes) if q is not None for t in q.tensors()]
         held += [] if self.pending_keys is None else [self.pending_keys]
-        return held + ([] if self.key_codec is None else self.key_codec.tensors())
+        held += [] if self.key_codec is None else self.key_codec.tensors()
+        return held + ([] if self.rows_fitted is None else [self.rows_fitted])
 
     def _crop_newest(self, n: int) -> None:
         check_window_crop(self, n)
@@ -73,8 +193,46 @@ class CodedKV:
         if drop > 0:
             self._map_store(lambda t: t[:, :, drop:].clone())
 
-    def _clear_codes(self) -> None:
-        """Forget the codes, the pending keys and the key codec's statistics (for `reset`)."""
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """The stored codes and scales by name (`k_codes`, `k_scale`, `k_zero`, the same for `v`; `k_pending`), plus
+        `key_shift` / `key_scale` once pre-RoPE keys are fitted and `key_rows_fitted` while some row is not."""
+        out = {}
+        for prefix, q in (("k", self.key_codes), ("v", self.value_codes)):
+            if q is not None:
+                out.update({f"{prefix}_{name}": getattr(q, name) for name in q.row_fields()})
+        if self.pending_keys is not None:
+            out["k_pending"] = self.pending_keys
+        if self.key_codec is not None and self.key_codec.fitted:
+            out.update(key_shift=self.key_codec.shift, key_scale=self.key_codec.scale)
+        if self.rows_fitted is not None:
+            out["key_rows_fitted"] = self.rows_fitted
+        return out
+
+    def load_state_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Inverse of `state_tensors` (after `lazy_initialization`, which sets the head dims): the key statistics go
+        back to the codec, the codes to `key_codes` / `value_codes`."""
+        tensors = dict(tensors)
+        shift, scale = tensors.pop("key_shift", None), tensors.pop("key_scale", None)
+        self.rows_fitted = tensors.pop("key_rows_fitted", None)
+        if shift is not None and self.key_codec is None:
+            raise ValueError("these codes hold pre-RoPE keys, but this cache stores keys as they come: rebuild it "
+                             "with key_quant='prerope' and the model config")
+        self.pending_keys = tensors.pop("k_pending", None)
+        self.key_codes, self.value_codes = (self._loaded(tensors, prefix, n)
+                                            for prefix, n in (("k", self.head_dim), ("v", self.value_dim)))
+        if tensors:
+            raise ValueError(f"unknown tensors for a coded layer: {sorted(tensors)}")
+        if shift is not None:
+            self.key_codec.shift, self.key_codec.scale = shift, scale
+
+    def _loaded(self, tensors: dict[str, torch.Tensor], prefix: str, n: int) -> TokenRows | None:
+        """The codes named `prefix` in `tensors` (popped), in this layer's format; None if absent."""
+        fields = {name: tensors.pop(f"{prefix}_{name}", None) for name in ("codes", "scale", "zero")}
+        return None if fields["codes"] is None else self.format.rows(n=n, **fields)
+
+    def reset(self) -> None:
+        super().reset()
+        self.rows_fitted = None
         self.key_codes = self.value_codes = self.pending_keys = None
         if self.key_codec is not None:
             self.key_codec.shift = self.key_codec.scale = None

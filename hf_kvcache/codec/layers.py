@@ -20,7 +20,7 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from ..caches.base import CompressedLayer
 from ..caches.tiered import KIVILayer, TieredQuantLayer
 from ..caches.tiers import LayerTiers
-from ..caches.uniform import UniformQuantLayer
+from ..caches.coded import CodedLayer
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -164,7 +164,7 @@ class LayerCodec:
 # exact class -> adapter; subclasses are not matched implicitly (their state may differ)
 LAYER_CODECS: dict[type, LayerCodec] = {
     DynamicLayer: LayerCodec("dynamic", _dynamic_state, _dynamic_restore),
-    UniformQuantLayer: LayerCodec("uniform", _store_state, _store_restore),
+    CodedLayer: LayerCodec("uniform", _store_state, _store_restore),
     TieredQuantLayer: LayerCodec("tiered", _tiered_state, _tiered_restore),
     KIVILayer: LayerCodec("kivi", _tiered_state, _tiered_restore),
 }

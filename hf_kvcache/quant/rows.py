@@ -5,12 +5,14 @@ per-token scales, sparse outliers) or groups of `group_size` tokens (per-channel
 `row_fields()` with the tokens each row covers; `TokenRows` then slices along tokens (on group boundaries),
 concatenates and applies batch-dim operations (beam reordering, row selection) to all of them at once, leaving
 everything else (bit width, a shared codebook) as it is.
+
+`TokenFormat` is what a layer holding per-token codes (`caches.coded.CodedLayer`) asks of the format of its codes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, ClassVar, Protocol
 
 import torch
 
@@ -53,3 +55,18 @@ class TokenRows:
     def clone(self):
         """A copy that owns its storage (no view keeps a larger tensor alive)."""
         return self.map_rows(lambda t: t.clone())
+
+
+class TokenFormat(Protocol):
+    """A per-token code format (`caches.uniform.UniformQuantOptions`, `quant.token.TokenQuant`)."""
+
+    reads_in_place: ClassVar[bool]  # the fused attention reads these codes as they are (`kernels.segments`)
+
+    def quantize(self, x: torch.Tensor) -> TokenRows:
+        """Codes of `x [batch, kv_heads, tokens, dim]`, every field `[batch, kv_heads, tokens, ...]`."""
+
+    def dequantize(self, q: TokenRows, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor `[batch, kv_heads, tokens, dim]` in `dtype` that `q` holds."""
+
+    def rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, n: int) -> TokenRows:
+        """The codes of this format from their stored tensors (`n`: the dim before packing)."""

@@ -4,17 +4,18 @@ Each token is quantized on its own (KIVI-style asymmetric min/max groups of `gro
 fp16 scale and zero per group; default group: the whole head), so eviction gathers a token's codes like any other
 per-slot tensor. Keys by default with RoPE undone and each channel shifted and scaled first (`key_quant="prerope"`,
 `quant.prerope.PreRopeKeys`, which needs the model's RoPE); `"token"` quantizes the post-RoPE keys as they come.
-Used by the evicting cache's slots and by the quantized sliding-window layers beside them.
+Used by the evicting cache's slots and by the quantized sliding-window layers beside them (a `quant.rows.TokenFormat`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ..options import check_choice, check_positive_int
-from .kivi import KIVIQuantized, quantize_kivi
+from .kivi import KIVIQuantized, dequantize_kivi, quantize_kivi
 
 TOKEN_QUANT_BITS = (8, 4, 2)
 KEY_QUANT = ("prerope", "token")
@@ -44,6 +45,16 @@ class TokenQuant:
         """KIVI codes of `x [..., tokens, dim]` per token: codes `[..., tokens, packed]`, fp16 scale / zero
         `[..., tokens, groups]`."""
         return quantize_kivi(x, self.bits, self.group_size or x.shape[-1], axis="token")
+
+    reads_in_place: ClassVar[bool] = False  # the fused attention reads uniform codes, not these
+
+    def dequantize(self, q: KIVIQuantized, dtype: torch.dtype) -> torch.Tensor:
+        """Inverse of `quantize`: `[..., tokens, dim]` in `dtype`."""
+        return dequantize_kivi(q, dtype)
+
+    def rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, n: int) -> KIVIQuantized:
+        """Codes of this format from their stored tensors (`n`: the dim before packing)."""
+        return KIVIQuantized(codes, scale, zero, self.bits, self.group_size or n, "token", n)
 
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Raise unless `group_size` divides the key and value head dims into groups of whole bytes of codes."""

@@ -143,7 +143,7 @@ def test_h2o_quant_bits_keeps_sliding_windows_quantized(tiny_gemma):
     """A sliding layer holds the newest WINDOW - 1 tokens as 8-bit codes (keys pre-RoPE), with transformers' mask
     sizes; with nothing evicted the logits stay the full model's (measured max difference 6.6e-3 of 0.65)."""
     from hf_kvcache import H2OCache
-    from hf_kvcache.caches.window import QuantizedWindowLayer
+    from hf_kvcache.caches.coded import CodedLayer
     from transformers.cache_utils import DynamicSlidingWindowLayer
 
     model = tiny_gemma
@@ -157,7 +157,7 @@ def test_h2o_quant_bits_keeps_sliding_windows_quantized(tiny_gemma):
     finally:
         model.set_attn_implementation("sdpa")
     sliding = cache.layers[0]
-    assert isinstance(sliding, QuantizedWindowLayer) and sliding.tokens_held() == WINDOW - 1
+    assert isinstance(sliding, CodedLayer) and sliding.tokens_held() == WINDOW - 1
     assert sliding.get_mask_sizes(1) == (WINDOW, 200 - WINDOW + 1)
     assert sliding.key_codec.fitted  # a window under 32 tokens fits its key statistics too
     # codes (32 B) + fp16 scale and zero (4 B) per token and tensor, + float32 shift and scale of the keys

@@ -8,7 +8,7 @@ sinks, strides, a hybrid, or any registered policy -- optionally storing the kep
 Options: `options.EvictOptions` (budget, policy, quantization; the flat `cache_config` keys map onto them). Layers:
 `layer.H2OLayer` (storage `[batch, kv_heads, kept, ...]` per layer in `slots.Slots`; each KV head keeps its own tokens,
 the same count for every head and row so the tensors stay rectangular, except with `AdaKV`, stored compactly between
-forwards). With `quant`, the model's sliding-window layers hold their window quantized (`caches.window`).
+forwards). With `quant`, the model's sliding-window layers hold their window quantized (`caches.coded`).
 
 Every policy needs the `"hf_kvcache"` attention (for the scores, and for the padding of the new tokens). With another
 attention implementation the next `update` raises an error that says what to set; `generate(cache_implementation=
@@ -22,7 +22,7 @@ from typing import Any
 
 from ...quant.prerope import PreRopeKeys
 from ..base import CompressedCache, CompressedLayer
-from ..window import QuantizedWindowLayer
+from ..coded import CodedLayer
 from .layer import MISSING_MASS, H2OLayer
 from .options import EvictOptions
 from .reconstruct import share_across_layers
@@ -46,7 +46,7 @@ class H2OCache(CompressedCache):
         if self.options.prerope_keys:
             what = "quant_bits with key_quant='prerope' (the default)"
             ropes = self._layer_ropes(config, what, "key_quant='token'", "undoes RoPE on the keys",
-                                      kinds=(H2OLayer, QuantizedWindowLayer))
+                                      kinds=(H2OLayer, CodedLayer))
             for layer, rope in ropes:
                 layer.key_codec = PreRopeKeys(rope, quant.bits, quant.group_size)
         if policy.layer_scales(2) != [1.0, 1.0]:
@@ -60,9 +60,9 @@ class H2OCache(CompressedCache):
                 layer.budget_scale = scale
 
     def _make_layer(self, layer_type: str, kwargs: dict, layer_idx: int):
-        """With `quant`, sliding-window layers hold their window quantized (`QuantizedWindowLayer`)."""
+        """With `quant`, sliding-window layers hold their window as codes of that format (`coded.CodedLayer`)."""
         if layer_type == "sliding_attention" and self.options.quant is not None:
-            return QuantizedWindowLayer(self.options.quant, kwargs["sliding_window"])
+            return CodedLayer(self.options.quant, sliding_window=kwargs["sliding_window"])
         return super()._make_layer(layer_type, kwargs, layer_idx)
 
     def evict_to(self, tokens: int, protect_last: int = 0) -> None:
