@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from .gpu_sections import (Deadline, copy_bandwidth, correctness, decode_timing, environment, generate_timing,
-                           kernel_sweep)
+from .gpu_generate import generate_timing
+from .gpu_sections import Deadline, copy_bandwidth, correctness, decode_timing, environment, kernel_sweep
 
 SECTIONS = ("environment", "bandwidth", "correctness", "decode", "sweep", "generate")
 

@@ -27,12 +27,10 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from ..options import CacheOptions
 from ..rope import KeyRotation
 from ..attention.request import AttentionRequest, FusedView, hand_over
+from .accounting import FP16_BYTES, fp16_equivalent, held_bytes, tensors_in
 
-FP16_BYTES = 2
-# transformers before 5.23 has no DummyLayer (and no "dummy" layer type); before 5.21 its quantized layers' base is
-# QuantizedLayer
+# transformers before 5.23 has no DummyLayer (and no "dummy" layer type)
 DummyLayer = getattr(cache_utils, "DummyLayer", None)
-BaseQuantizedLayer = getattr(cache_utils, "BaseQuantizedLayer", None) or cache_utils.QuantizedLayer
 FUSED_ATTENTION = "hf_kvcache"  # the attention implementation that reads compressed storage directly
 
 
@@ -477,62 +475,6 @@ class CompressedCache(Cache):
         return memory_stats(self)
 
 
-def _tensors_in(obj: Any, seen: set[int], depth: int = 0) -> list[torch.Tensor]:
-    """Every plain tensor reachable from `obj` (attributes, tuples, lists, dicts; wrapper tensor subclasses such as
-    optimum-quanto's QTensor through their inner tensors), each object visited once."""
-    if depth > 6 or id(obj) in seen:
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        flatten = getattr(type(obj), "__tensor_flatten__", None)
-        if flatten is not None:
-            names, _ = obj.__tensor_flatten__()
-            return [t for n in names for t in _tensors_in(getattr(obj, n), seen, depth + 1)]
-        return [obj]
-    if isinstance(obj, dict):
-        items = list(obj.values())
-    elif isinstance(obj, (list, tuple)):
-        items = list(obj)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-        items = list(vars(obj).values())
-    else:
-        return []
-    return [t for item in items for t in _tensors_in(item, seen, depth + 1)]
-
-
-def held_bytes(tensors: list[torch.Tensor], counted: set[tuple[str, int]] | None = None) -> int:
-    """Bytes of the storage behind `tensors`, each storage once (a view holds all of its storage alive; shared
-    tensors such as one rotation matrix used by every layer count once). `counted` carries over between calls."""
-    counted = set() if counted is None else counted
-    total = 0
-    for t in tensors:
-        storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
-        if key in counted or storage.data_ptr() == 0:
-            continue
-        counted.add(key)
-        total += storage.nbytes()
-    return total
-
-
-def _fp16_equivalent(layer: Any) -> int:
-    """Bytes an fp16 cache would hold for the tokens a transformers layer has seen."""
-    if isinstance(layer, BaseQuantizedLayer):
-        per_token = 0
-        for t in (layer.keys, layer.values):
-            if isinstance(t, torch.Tensor) and t.dim() == 4:
-                per_token += t.shape[0] * t.shape[1] * t.shape[3]
-        if not per_token:
-            for q in (layer._quantized_keys, layer._quantized_values):
-                q = q[0] if isinstance(q, tuple) and isinstance(q[0], torch.Tensor) else q
-                shape = tuple(q[1].get("shape", ())) if isinstance(q, tuple) else tuple(getattr(q, "shape", ()))
-                if len(shape) == 4:
-                    per_token += shape[0] * shape[1] * shape[3]
-        return FP16_BYTES * per_token * getattr(layer, "cumulative_length", 0)
-    return sum(t.numel() * FP16_BYTES for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
-               if isinstance(t, torch.Tensor))
-
-
 def memory_stats(cache: Cache) -> dict[str, float]:
     """Bytes really held by every tensor `cache` keeps (each storage once: codes, scales, tails, rotations;
     for transformers' own layers, quantized or not, every tensor found on them), the fp16-equivalent bytes and
@@ -544,8 +486,8 @@ def memory_stats(cache: Cache) -> dict[str, float]:
             held += held_bytes(layer.held_tensors(), counted)
             fp16 += layer.fp16_bytes()
         else:
-            held += held_bytes(_tensors_in(layer, set()), counted)
-            fp16 += _fp16_equivalent(layer)
+            held += held_bytes(tensors_in(layer, set()), counted)
+            fp16 += fp16_equivalent(layer)
     return {
         "bytes": held,
         "fp16_bytes": fp16,

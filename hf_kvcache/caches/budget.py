@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..quant.packing import packed_length
-from .base import FP16_BYTES, held_bytes
+from .accounting import FP16_BYTES, held_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tiered import TieredQuantLayer

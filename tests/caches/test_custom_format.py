@@ -13,11 +13,10 @@ from typing import ClassVar
 import pytest
 import torch
 
-import hf_kvcache
 import test_contract as contract
 from hf_kvcache.caches.base import CompressedCache
 from hf_kvcache.caches.coded import CodedLayer
-from hf_kvcache.options import CacheOptions, check_positive_int
+from hf_kvcache.options import CacheOptions
 from hf_kvcache.quant.rows import TokenRows
 from hf_kvcache.registry import _FACTORIES, register_cache
 from test_contract import ids_of, one_thread  # noqa: F401 (the contract's fixtures)
@@ -76,10 +75,10 @@ def registered():
 
 
 CONTRACT = [
-    lambda smol, ids_of: contract.test_beam_search_scores_equal_a_replay_of_each_beam(smol, ids_of, NAME, None),
-    lambda smol, ids_of: contract.test_reorder_select_repeat_reset_equal_their_definitions(smol, ids_of, NAME),
-    lambda smol, ids_of: contract.test_crop_equals_a_cache_that_never_saw_the_cropped_tokens(smol, ids_of, NAME),
-    lambda smol, ids_of: contract.test_left_padded_batch_rows_equal_each_prompt_alone(smol, ids_of, NAME),
+    lambda model, ids: contract.test_beam_search_scores_equal_a_replay_of_each_beam(model, ids, NAME, None),
+    lambda model, ids: contract.test_reorder_select_repeat_reset_equal_their_definitions(model, ids, NAME),
+    lambda model, ids: contract.test_crop_equals_a_cache_that_never_saw_the_cropped_tokens(model, ids, NAME),
+    lambda model, ids: contract.test_left_padded_batch_rows_equal_each_prompt_alone(model, ids, NAME),
 ]
 
 

@@ -18,7 +18,8 @@ import torch
 from ...policy.reconstruct import UNSCORED
 from ...quant.kivi import KIVIQuantized, dequantize_kivi
 from ...quant.prerope import PreRopeKeys
-from ..base import FP16_BYTES, CompressedLayer
+from ..accounting import FP16_BYTES
+from ..base import CompressedLayer
 
 if TYPE_CHECKING:
     from .options import EvictOptions

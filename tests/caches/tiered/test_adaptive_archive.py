@@ -12,7 +12,7 @@ from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
 
 import hf_kvcache  # noqa: F401  (registers the attention implementation)
 from hf_kvcache import TieredQuantCache, codec
-from hf_kvcache.caches.base import held_bytes
+from hf_kvcache.caches.accounting import held_bytes
 from hf_kvcache.caches.tiers import SegmentedTier, format_of
 from hf_kvcache.quant.kvquant import apply_rope, rope_cos_sin
 from hf_kvcache.quant.subspace import SubspaceRows

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 
 from hf_kvcache import TieredQuantCache
-from hf_kvcache.caches.base import held_bytes
+from hf_kvcache.caches.accounting import held_bytes
 from hf_kvcache.quant.kvquant import apply_rope, rope_cos_sin
 
 B, H, D, THETA = 2, 2, 64, 10000.0

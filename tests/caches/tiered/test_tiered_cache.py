@@ -299,7 +299,7 @@ def test_rotation_held_as_signs_and_small_factors(dim):
     """A rotated layer holds no dim x dim matrix: each rotation is its dim int8 signs plus float32 Sylvester factors
     (8 x 8 for 64; 16 x 16 and 8 x 8 for 128; 16 x 16 for 256), the factors shared by keys and values; and it
     reads back what the dense matrix gives."""
-    from hf_kvcache.caches.base import held_bytes
+    from hf_kvcache.caches.accounting import held_bytes
     from hf_kvcache.quant.rotation import HadamardRotation, rotation_matrix
 
     layer = TieredQuantLayer(TieredQuantOptions(rotation="both", rotation_dtype=None, tail_length=16, warm_length=0,
