@@ -113,6 +113,7 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
     float cw[MAXTG * MAXD] __attribute__((aligned(64)));  /* cw[tt * D + i]: code times its scale */
     int grp[MAXD];                                          /* the scale group of byte j */
     for (int j = 0; j < vpb; j++) grp[j] = j * vper / vgroup;
+    const int bpg = vgroup % vper == 0 ? vgroup / vper : 0;  /* bytes per scale group (0: a byte spans groups) */
     memset(acc, 0, sizeof(float) * M * D);
     memset(accz, 0, sizeof(float) * M * J);
     for (int t0 = 0; t0 < n; t0 += MAXTG) {
@@ -121,7 +122,11 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
             const uint8_t* row = vc + (int64_t)(t0 + tt) * vc_st;
             const float* sc = vs + (int64_t)(t0 + tt) * J;
             float sj[MAXD] __attribute__((aligned(64)));
-            for (int j = 0; j < vpb; j++) sj[j] = sc[grp[j]];
+            if (bpg)  /* whole bytes per group: each group's scale broadcast over its bytes */
+                for (int g = 0; g < J; g++)
+                    for (int j = 0; j < bpg; j++) sj[g * bpg + j] = sc[g];
+            else
+                for (int j = 0; j < vpb; j++) sj[j] = sc[grp[j]];
             float* c = cw + tt * D;
             if (lut) {  /* 8-bit float codes: their value from the table */
                 for (int j = 0; j < vpb; j++) c[j] = lut[row[j]] * sj[j];
