@@ -1,5 +1,6 @@
 """A quantized cache format defined here, registered with one `register_cache` call (no library file touched), keeps
-the whole cache contract of `test_contract.py` (beam search, reorder / select / repeat / reset, crop, left padding).
+the whole cache contract of `test_contract.py` (beam search, reorder / select / repeat / reset, crop, left padding);
+its options join the options contract of `tests/core/test_options.py` by being a `CacheOptions`.
 
 The format: 6-bit symmetric codes per token (one code per byte, to keep it short) with a float32 scale per token and
 KV head. It is a `quant.rows.TokenFormat` (`quantize`, `dequantize`, `rows`, `reads_in_place`), so the library's
@@ -16,7 +17,7 @@ import torch
 import test_contract as contract
 from hf_kvcache.caches.base import CompressedCache
 from hf_kvcache.caches.coded import CodedLayer
-from hf_kvcache.options import CacheOptions
+from hf_kvcache.options import CacheOptions, check_number
 from hf_kvcache.quant.rows import TokenRows
 from hf_kvcache.registry import _FACTORIES, register_cache
 from test_contract import ids_of, one_thread  # noqa: F401 (the contract's fixtures)
@@ -44,8 +45,7 @@ class Int6Options(CacheOptions):
     min_scale: float = 1e-8
 
     def validate(self) -> None:
-        if not self.min_scale > 0:
-            raise ValueError(f"min_scale must be > 0, got {self.min_scale!r}")
+        check_number("min_scale", self.min_scale, lo=0.0, lo_open=True)
 
     def quantize(self, x: torch.Tensor) -> Int6Codes:
         scale = (x.float().abs().amax(-1, keepdim=True) / QMAX).clamp_min(self.min_scale)
