@@ -97,8 +97,9 @@ def decode_attention(
     dot_f32 = query.dtype == torch.float32  # the GPU kernels' dots: fp32 for fp32 models, else fp16 operands
     if not (return_mass or use_triton or use_native is False or overlays or q_len != 1):
         part = _token_step_native(q, segments, attention_mask, total, group)
-        if part is not None:
-            out, _ = finish(part)
+        if part is not None:  # the output of `finish`, without the log-sum-exp nobody reads here
+            _, row_sum, acc = part
+            out = acc / row_sum.clamp_min(1e-30).unsqueeze(-1)
             return ungroup_rows(out, hq, q_len).to(query.dtype), None
     if not (return_mass or use_triton or use_native is False or q_len != 1):
         out = _segments_step_native(q, segments, overlays, attention_mask, total, group)
@@ -264,7 +265,10 @@ def _token_step_native(q, segments: list[Segment], attention_mask, total: int, g
         if not bool(cols[:, seg.tokens :].all()):
             return None
         key_valid = cols[:, : seg.tokens].expand(q.shape[0], -1)
-    dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
+    if len(rest) == 1 and rest[0].keys.dtype == rest[0].values.dtype == torch.float32:
+        dk, dv = rest[0].keys.contiguous(), rest[0].values.contiguous()  # the step's new tokens, as they are
+    else:
+        dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
     return native.token_partial_native(q, seg, key_valid, dense=(dk, dv))
 
 
