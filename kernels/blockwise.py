@@ -74,12 +74,17 @@ def rows_mask(mask: torch.Tensor | None, group: int) -> torch.Tensor | None:
     return None if mask is None else mask.repeat(1, 1, group, 1)
 
 
+def normalized(state) -> torch.Tensor:
+    """A softmax partial -> its normalized output (a row with no key gives 0)."""
+    _, l, acc = state
+    return acc / l.clamp_min(1e-30).unsqueeze(-1)
+
+
 def finish(state) -> tuple[torch.Tensor, torch.Tensor]:
     """A softmax partial -> (normalized output, log-sum-exp of each row)."""
-    m, l, acc = state
+    m, l, _ = state
     m_safe = torch.where(torch.isinf(m), 0.0, m)
-    l = l.clamp_min(1e-30)
-    return acc / l.unsqueeze(-1), m_safe + torch.log(l)
+    return normalized(state), m_safe + torch.log(l.clamp_min(1e-30))
 
 
 def combine(a, b):

@@ -23,7 +23,7 @@ import math
 import torch
 
 from . import native, native_step
-from .blockwise import combine, dense_partial, finish, rows_mask, scratch
+from .blockwise import combine, dense_partial, finish, normalized, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
 from .segments import FullSegment, QuantSegment, Segment, TokenSegment, dense_segments, split_overlays
 from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
@@ -97,10 +97,8 @@ def decode_attention(
     dot_f32 = query.dtype == torch.float32  # the GPU kernels' dots: fp32 for fp32 models, else fp16 operands
     if not (return_mass or use_triton or use_native is False or overlays or q_len != 1):
         part = _token_step_native(q, segments, attention_mask, total, group)
-        if part is not None:  # the output of `finish`, without the log-sum-exp nobody reads here
-            _, row_sum, acc = part
-            out = acc / row_sum.clamp_min(1e-30).unsqueeze(-1)
-            return ungroup_rows(out, hq, q_len).to(query.dtype), None
+        if part is not None:  # the output alone: nobody reads the log-sum-exp here
+            return ungroup_rows(normalized(part), hq, q_len).to(query.dtype), None
     if not (return_mass or use_triton or use_native is False or q_len != 1):
         out = _segments_step_native(q, segments, overlays, attention_mask, total, group)
         if out is not None:
@@ -265,10 +263,7 @@ def _token_step_native(q, segments: list[Segment], attention_mask, total: int, g
         if not bool(cols[:, seg.tokens :].all()):
             return None
         key_valid = cols[:, : seg.tokens].expand(q.shape[0], -1)
-    if len(rest) == 1 and rest[0].keys.dtype == rest[0].values.dtype == torch.float32:
-        dk, dv = rest[0].keys.contiguous(), rest[0].values.contiguous()  # the step's new tokens, as they are
-    else:
-        dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
+    dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
     return native.token_partial_native(q, seg, key_valid, dense=(dk, dv))
 
 
@@ -330,8 +325,13 @@ def _unrotated(v_rotation: Rotation | None, part):
 
 
 def _dense_keys(dense, b: int, q_len: int, group: int):
-    """Keys, values (float32, concatenated into scratch buffers) and row mask of the full-precision pieces."""
+    """Keys, values (float32, concatenated into scratch buffers; one unmasked float32 piece of `b` rows as it is, no
+    copy) and row mask of the full-precision pieces. Callers only read them."""
     first = dense[0][0].keys
+    if len(dense) == 1 and dense[0][2] is None:
+        seg = dense[0][0]
+        if seg.keys.dtype == seg.values.dtype == torch.float32 and seg.keys.shape[0] == seg.values.shape[0] == b:
+            return seg.keys.contiguous(), seg.values.contiguous(), None
     h, d, n = first.shape[1], first.shape[3], sum(seg.tokens for seg, _, _ in dense)
     dk = scratch("dense_k", b * h * n * d, torch.float32, first.device).view(b, h, n, d)
     dv = scratch("dense_v", b * h * n * d, torch.float32, first.device).view(b, h, n, d)

@@ -127,9 +127,7 @@ class CodedLayer(CompressedLayer):
         if keys is None:
             if codec is None:
                 return self.format.dequantize(self.key_codes, self.dtype), values
-            held = self.key_codes.codes.shape[2]
-            positions, _ = self._positions(self.cumulative_length - held, held, self.key_codes.codes.shape[0])
-            return codec.dequantize(self.key_codes, positions, self.dtype), values
+            return codec.dequantize(self.key_codes, self._held_positions(), self.dtype), values
         if self.rows_fitted is None:  # no row fitted yet: the keys as they came
             return keys, values
         positions, _ = self._positions(self.cumulative_length - keys.shape[2], keys.shape[2], keys.shape[0])
@@ -144,9 +142,12 @@ class CodedLayer(CompressedLayer):
         keys, values = self.key_codes, self.value_codes
         if self.key_codec is None:
             return [TokenSegment(keys, values)]
-        held = keys.codes.shape[2]
-        positions, _ = self._positions(self.cumulative_length - held, held, keys.codes.shape[0])
-        return [TokenSegment(keys, values, self.key_codec, positions)]
+        return [TokenSegment(keys, values, self.key_codec, self._held_positions())]
+
+    def _held_positions(self) -> torch.Tensor:
+        """The positions at which the held key codes' RoPE is redone (`_positions` of the held tokens)."""
+        held, batch = self.key_codes.codes.shape[2], self.key_codes.codes.shape[0]
+        return self._positions(self.cumulative_length - held, held, batch)[0]
 
     # ---- storage and accounting -------------------------------------------------------------------------------
     def tokens_held(self) -> int:
