@@ -124,6 +124,27 @@ def paired_difference(a: list[float], b: list[float], groups: list | None = None
     return PairedDifference(sum(means) / len(means), low, high, len(a))
 
 
+def paired_time_ratio(a: list[float], b: list[float], samples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+    """`sum(a) / sum(b)` of two timings taken in turns (`a[i]` and `b[i]`: round i, e.g. the summed step times of
+    two decoders in one round of the decode suite) and its 95 % paired bootstrap interval (the rounds resampled with
+    replacement, the same rounds for both). With `a` the baseline's times it is `b`'s speed relative to `a`'s; an
+    interval that holds 1 means the rounds cannot tell the two apart. Fewer than 2 rounds: no interval (nan).
+
+    Returns:
+        (ratio, low, high)."""
+    ta, tb = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    if ta.shape != tb.shape or not ta.numel():
+        raise ValueError(f"give both timings for the same rounds, at least one: got {ta.numel()} and {tb.numel()}")
+    if bool((ta <= 0).any() or (tb <= 0).any()):
+        raise ValueError("times must be positive")
+    ratio = float(ta.sum() / tb.sum())
+    if ta.numel() < 2:
+        return ratio, math.nan, math.nan
+    idx = bootstrap_indices(ta.numel(), 1, samples, torch.Generator().manual_seed(seed))
+    low, high = _interval(ta[idx].sum(1) / tb[idx].sum(1))
+    return ratio, low, high
+
+
 def select_row(spec: str) -> dict:
     """The row `FILE#key=value,...` names (see the module docstring)."""
     path, _, selector = spec.partition("#")

@@ -38,6 +38,8 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "step_peak_mb": ("{:.2f}", "step peak MB"),
     "cache_mb": ("{:.2f}", "cache MB"),
     "vs_first": ("{:.2f}x", "vs first"),
+    "vs_first_low": ("{:.2f}x", "low"),
+    "vs_first_high": ("{:.2f}x", "high"),
     "vs_dequantize": ("{:.2f}x", "vs dequantize"),
     "scratch_mb": ("{:.2f}", "scratch MB"),
     "proxy": ("{:.4f}", "proxy"),

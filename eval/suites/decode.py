@@ -14,7 +14,9 @@ and `prefill_vs_first`, `decode_tokens_per_s` (steps / their total time, so the 
 count),
 `median_tokens_per_s` (1 / median step), `step_peak_mb` (one more step under the peak-memory probe: CUDA
 max_memory_allocated above what was allocated before, or on CPU the torch profiler's allocation events replayed in time
-order), `cache_mb`, `ratio` (vs fp16), `vs_first` (tokens/s vs the first variant), on fused rows `vs_dequantize`
+order), `cache_mb`, `ratio` (vs fp16), `vs_first` (tokens/s vs the first variant) with `vs_first_low` /
+`vs_first_high`, its 95 % paired interval over the rounds of 8 steps (`round_seconds`: each round's summed step times;
+`paired.paired_time_ratio`), on fused rows `vs_dequantize`
 (tokens/s vs the same cache's dequantize row) and, on the CPU, `scratch_mb` (the reusable O(block) scratch the CPU
 fused path holds, allocated once).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import math
 import statistics
 import time
 from dataclasses import dataclass
@@ -35,6 +38,7 @@ from hf_kvcache.caches.base import memory_stats
 
 from ..assets import load_model, load_text, load_tokens
 from ..bench import CacheSpec, parse_specs
+from ..paired import paired_time_ratio
 from ..rows import Row, make_row
 from .options import SuiteOptions, decode_steps_option, device_option
 from .kernels import cpu_peak_bytes, gpu_peak_bytes, pick_device
@@ -129,6 +133,7 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
             t = times[v.label]
             out[v.label] = {"prefill_tokens_per_s": context / prefill[v.label],
                             "decode_tokens_per_s": len(t) / sum(t), "median_tokens_per_s": 1.0 / statistics.median(t),
+                            "round_seconds": [sum(t[i : i + round_steps]) for i in range(0, len(t), round_steps)],
                             "step_peak_mb": peak / 2**20, "cache_mb": stats["bytes"] / 2**20, "ratio": stats["ratio"]}
     finally:
         model.set_attn_implementation("sdpa")
@@ -162,6 +167,9 @@ def run(opts: DecodeOptions) -> list[Row]:
     rows = [make_row("decode", v.label, opts.model, context, **results[v.label]) for v in chosen]
     for row, v in zip(rows, chosen):
         row["vs_first"] = row["decode_tokens_per_s"] / rows[0]["decode_tokens_per_s"]
+        _, low, high = paired_time_ratio(rows[0]["round_seconds"], row["round_seconds"])
+        if math.isfinite(low):  # two rounds at least
+            row["vs_first_low"], row["vs_first_high"] = low, high
         row["prefill_vs_first"] = row["prefill_tokens_per_s"] / rows[0]["prefill_tokens_per_s"]
         if v.fused:
             deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and not w.fused)

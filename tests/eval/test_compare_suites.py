@@ -195,6 +195,8 @@ def test_decode_suite_runs_a_fused_cache_both_ways(capsys, tmp_path):
     assert all(r["decode_tokens_per_s"] > 0 and r["step_peak_mb"] >= 0 and r["cache_mb"] > 0 for r in rows)
     assert all(r["prefill_tokens_per_s"] > 0 for r in rows) and rows[0]["prefill_vs_first"] == 1.0
     assert rows[0]["vs_first"] == 1.0 and "vs_dequantize" not in rows[1] and "vs_dequantize" not in rows[-1]
+    # two steps are one round of turns: each round's time is kept, and one round gives no interval
+    assert all(len(r["round_seconds"]) == 1 and "vs_first_low" not in r for r in rows)
     for fused in rows[2:-1]:
         assert fused["vs_dequantize"] == pytest.approx(fused["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"])
 

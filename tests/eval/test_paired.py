@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from hf_kvcache.cli import main
-from hf_kvcache.eval.paired import chunk_tokens, paired_ratio
+from hf_kvcache.eval.paired import chunk_tokens, paired_ratio, paired_time_ratio
 
 
 def test_chunk_tokens_count_what_streaming_scores():
@@ -48,3 +48,16 @@ def test_rows_from_files_and_errors(tmp_path, capsys):
                         (f"{tmp_path}/theirs.json#budget=ratio:0.2", "disagree on model")]:
         assert main(["paired", f"{tmp_path}/ours.json#cache=a", spec]) == 2
         assert match in capsys.readouterr().err
+
+
+def test_time_ratio_of_rounds_taken_in_turns():
+    # B takes half A's time every round: twice as fast, and every resample of the rounds says so
+    assert paired_time_ratio([1.0, 2.0, 1.5], [0.5, 1.0, 0.75]) == pytest.approx((2.0, 2.0, 2.0))
+    # a slow spell of the machine hits both in round 2: pairing keeps the interval narrow and around the ratio
+    ratio, low, high = paired_time_ratio([1.0, 3.0, 1.0, 1.1], [1.0, 2.9, 1.05, 1.0])
+    assert ratio == pytest.approx(6.1 / 5.95) and low < ratio < high and high - low < 0.1
+    assert all(math.isnan(x) for x in paired_time_ratio([1.0], [2.0])[1:])  # one round: no spread to resample
+    with pytest.raises(ValueError, match="same rounds"):
+        paired_time_ratio([1.0, 2.0], [1.0])
+    with pytest.raises(ValueError, match="positive"):
+        paired_time_ratio([1.0, 0.0], [1.0, 1.0])
