@@ -124,7 +124,8 @@ def paired_difference(a: list[float], b: list[float], groups: list | None = None
     return PairedDifference(sum(means) / len(means), low, high, len(a))
 
 
-def paired_time_ratio(a: list[float], b: list[float], samples: int = 10000, seed: int = 0) -> tuple[float, float, float]:
+def paired_time_ratio(a: list[float], b: list[float], samples: int = 10000,
+                      seed: int = 0) -> tuple[float, float, float]:
     """`sum(a) / sum(b)` of two timings taken in turns (`a[i]` and `b[i]`: round i, e.g. the summed step times of
     two decoders in one round of the decode suite) and its 95 % paired bootstrap interval (the rounds resampled with
     replacement, the same rounds for both). With `a` the baseline's times it is `b`'s speed relative to `a`'s; an

@@ -83,6 +83,10 @@ COLUMNS: dict[str, tuple[str, str]] = {
     "low_pts": ("{:+.1f}", "low"),
     "high_pts": ("{:+.1f}", "high"),
     "accuracy": ("{:.1%}", "mean"),
+    "nll": ("{:.3f}", "answer nll"),
+    "delta_nll": ("{:+.3f}", "nll vs full"),
+    "low_nll": ("{:+.3f}", "nll low"),
+    "high_nll": ("{:+.3f}", "nll high"),
     "trials": ("{}", "trials"),
 }
 LAST = ("accuracy", "trials")  # after the suite's own columns (passkey: after the accuracy per depth)

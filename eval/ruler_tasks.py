@@ -97,6 +97,11 @@ class RulerSample:
     def tokens(self) -> int:
         return len(self.context_ids) + len(self.question_ids)
 
+    @property
+    def gold_text(self) -> str:
+        """A right answer as the question's last words lead into it: the expected strings, comma-separated."""
+        return " " + ", ".join(self.expected)
+
 
 def score(expected: list[str], answer: str) -> float:
     """The fraction of `expected` strings found in `answer`, case-insensitive (RULER's string-match score)."""

@@ -36,6 +36,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import contextlib
+import copy
 import dataclasses
 import json
 import random
@@ -126,6 +127,7 @@ class Answer:
     answer_bytes: int = 0
     answer_fp16_bytes: int = 0
     replayed: bool = False  # the context came in by `PrefillReplay.replay`, not by a forward of this cache
+    gold_nll: float | None = None  # mean nll (nats a token) of the given right answer on the compressed context
 
 
 def _held(cache) -> tuple[int, int, int]:
@@ -135,6 +137,38 @@ def _held(cache) -> tuple[int, int, int]:
     held = cache.tokens_held(0) if hasattr(cache, "tokens_held") else cache.get_seq_length()
     stats = memory_stats(cache)
     return int(held), int(stats["bytes"]), int(stats["fp16_bytes"])
+
+
+def gold_nll(model, cache, lead_ids: list[int], gold_ids: list[int], first_logits: torch.Tensor | None = None
+             ) -> float:
+    """The mean negative log-likelihood (nats a token) of `gold_ids`, teacher-forced after `lead_ids` on a copy of
+    `cache` (the cache itself is left as it was, for the greedy answer that follows).
+
+    Args:
+        cache: the cache as the answer starts (context in, compressed as the mode says).
+        lead_ids: what comes between the cache's content and the answer (the question in mode "agnostic"; empty in
+            mode "question", where the question is in the cache and `first_logits` predicts the first token).
+        gold_ids: the tokens of the right answer (at least one).
+        first_logits: `[vocab]` the logits after the cache's last token, when `lead_ids` is empty.
+
+    Returns:
+        -mean log p(gold token | everything before it)."""
+    from hf_kvcache.registry import attached
+
+    if not gold_ids or (not lead_ids and first_logits is None):
+        raise ValueError("score at least one gold token, after lead_ids or from first_logits")
+    fed = lead_ids + gold_ids[:-1]  # every token whose next one is a gold token, after the cache's last
+    logits = [] if lead_ids else [first_logits.float()[None]]
+    if fed:
+        scored = copy.deepcopy(cache)
+        if hasattr(scored, "unbind"):  # the copy is bound by `attached` below, as the cache was
+            scored.unbind()
+        with attached(model, scored):
+            out = model(input_ids=torch.tensor([fed], device=model.device), past_key_values=scored, use_cache=True,
+                        logits_to_keep=len(gold_ids) - len(logits)).logits
+        logits.append(out[0].float())
+    gold = torch.tensor(gold_ids, device=model.device)
+    return float(torch.nn.functional.cross_entropy(torch.cat(logits, 0), gold))
 
 
 def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_tokens: int):
@@ -165,7 +199,7 @@ def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_t
 @torch.inference_mode()
 def answer(
     model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int], new_tokens: int = 8,
-    chunk: int = 0, mode: str = "agnostic", prefill: PrefillReplay | None = None,
+    chunk: int = 0, mode: str = "agnostic", prefill: PrefillReplay | None = None, gold_ids: list[int] | None = None,
 ) -> Answer:
     """Greedy answer of the model with the cache of `spec` to `context_ids + question_ids` (see the module docstring
     for `mode`; `chunk`: tokens per prefill forward, 0 = one forward), at most `new_tokens` tokens. A cache scored by
@@ -174,13 +208,15 @@ def answer(
     `prefill`: a `PrefillReplay` shared by the caches of one prompt, of the ids one prefill forward takes (the
     context in mode "agnostic", context + question in mode "question"; a chunked prefill shares nothing). The full
     cache (`dynamic`) records its prefill into it; a cache that only stores what it is given is then filled by
-    replaying it (`Answer.replayed`) instead of a forward of its own (`eval/replay.py`)."""
+    replaying it (`Answer.replayed`) instead of a forward of its own (`eval/replay.py`). `gold_ids`: the tokens of
+    the right answer, whose teacher-forced nll on the cache as the answer starts is `Answer.gold_nll` (`gold_nll`)."""
     from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids
     from hf_kvcache.registry import attached
 
     check_mode(mode)
     if mode == "question":
-        return _answer_question_aware(model, tokenizer, spec, context_ids, question_ids, new_tokens, chunk, prefill)
+        return _answer_question_aware(model, tokenizer, spec, context_ids, question_ids, new_tokens, chunk, prefill,
+                                      gold_ids)
     cache = spec.build(model)
     dev = model.device
     context = torch.tensor([context_ids], device=dev)
@@ -196,12 +232,13 @@ def answer(
                         model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True,
                               logits_to_keep=1)
         held = _held(cache)  # after the context: the question has not been seen
+        nll = None if not gold_ids else gold_nll(model, cache, question_ids, gold_ids)
         out = model.generate(
             full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
     return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held, *_held(cache)[1:],
-                  replayed=replayed)
+                  replayed=replayed, gold_nll=nll)
 
 
 def _take_prefill(prefill: PrefillReplay | None, ids: list[int], step: int, cache, rebuild,
@@ -224,7 +261,8 @@ def _take_prefill(prefill: PrefillReplay | None, ids: list[int], step: int, cach
 
 
 def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],
-                           new_tokens: int, chunk: int, prefill: PrefillReplay | None = None) -> Answer:
+                           new_tokens: int, chunk: int, prefill: PrefillReplay | None = None,
+                           gold_ids: list[int] | None = None) -> Answer:
     from hf_kvcache.caches.evict.reconstruct import reconstruction_prompt_ids, score_context, scored_layers
     from hf_kvcache.registry import attached
 
@@ -252,6 +290,7 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
                 score_context(model, cache, full[:, :n], reconstruction_prompt_ids(tokenizer))
             cache.evict_to(keep, protect_last=q)  # the question has been seen: down to the budget, question kept
         held = _held(cache)
+        nll = None if not gold_ids else gold_nll(model, cache, [], gold_ids, first_logits=logits[0, -1])
         nxt = int(logits[0, -1].argmax())
         for _ in range(new_tokens):
             tokens.append(nxt)
@@ -260,7 +299,8 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
             logits = model(input_ids=torch.tensor([[nxt]], device=full.device), past_key_values=cache,
                            use_cache=True).logits
             nxt = int(logits[0, -1].argmax())
-    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:], replayed=replayed)
+    return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:], replayed=replayed,
+                  gold_nll=nll)
 
 
 def run_trial(

@@ -19,12 +19,16 @@ strings found in the answer (`ruler_tasks.score`). The loop runs sample by sampl
 and every cache on each, so a run cut off at any point leaves paired results.
 
 Rows: with `--json`, one row per (sample, cache) is written as soon as it is measured (`score`, `answer`,
-`expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `replayed`, `seconds`); `--resume` keeps those already in the file and runs
-the others. The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
+`expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `replayed`, `seconds`, `answer_nll`: the mean nll in nats a
+token of the right answer `RulerSample.gold_text`, teacher-forced on a copy of the cache as the answer starts,
+`passkey.gold_nll`: a graded score where the string match is all or nothing); `--resume` keeps those already in the
+file and runs the others. The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
 cache, task) and per "average" over the tasks: `accuracy` (mean score), `samples`, `delta_pts` (points vs the full
 cache on the same samples) with `low_pts` / `high_pts` (its 95 % paired bootstrap interval, `paired.paired_difference`;
 the average's resamples within each task), `ratio` (the full cache's fp16 bytes / this cache's bytes when the answer
-starts), `held` and `results` (the sample rows). `summary_rows` turns sample rows (a cut-off file) into these rows.
+starts), `held` and `results` (the sample rows); where every sample has it, `nll` (the mean `answer_nll`, each task
+weighing the same) and `delta_nll` with `low_nll` / `high_nll` (its paired interval against the full cache, positive:
+the right answer is less likely with this cache). `summary_rows` turns sample rows (a cut-off file) into these rows.
 """
 
 from __future__ import annotations
@@ -94,9 +98,11 @@ def run_sample(model, tokenizer, spec: CacheSpec, sample: RulerSample, mode: str
     """The answer of one cache to one sample, scored: the measured part of a sample row (`prefill`: the sample's
     shared prefill, see `passkey.answer`; `replayed` says whether this cache took it)."""
     t0 = time.perf_counter()
+    gold = tokenizer(sample.gold_text, add_special_tokens=False).input_ids
     a = answer(model, tokenizer, spec, sample.context_ids, sample.question_ids, sample.new_tokens, chunk, mode,
-               prefill)
-    return {"score": score(sample.expected, a.text), "answer": a.text, "expected": sample.expected,
+               prefill, gold_ids=gold)
+    return {"score": score(sample.expected, a.text), "answer_nll": a.gold_nll, "answer": a.text,
+            "expected": sample.expected,
             "depths": [round(d, 4) for d in sample.depths], "held": a.held, "bytes": a.bytes,
             "fp16_bytes": a.fp16_bytes, "answer_bytes": a.answer_bytes, "answer_fp16_bytes": a.answer_fp16_bytes,
             "replayed": a.replayed, "seconds": time.perf_counter() - t0}
@@ -212,9 +218,7 @@ def summary_rows(rows: list[Row]) -> list[Row]:
 
 def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: list[Row], base: list[Row | None],
              is_base: bool) -> Row:
-    tasks = list(dict.fromkeys(r["task"] for r in mine))
-    by_task = [[r["score"] for r in mine if r["task"] == t] for t in tasks]
-    accuracy = sum(sum(s) / len(s) for s in by_task) / len(by_task)  # every task weighs the same
+    accuracy = _task_mean([r["score"] for r in mine], [r["task"] for r in mine])
     row = make_row("ruler", cache, model, tokens, section=f"mode={mode}", mode=mode, task=task, accuracy=accuracy,
                    samples=len(mine))
     paired = [(m, b) for m, b in zip(mine, base) if b is not None]
@@ -224,12 +228,27 @@ def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: li
         row.update(delta_pts=100 * diff.difference)
         if not math.isnan(diff.low):  # one sample: no interval
             row.update(low_pts=100 * diff.low, high_pts=100 * diff.high)
+    if all(m.get("answer_nll") is not None for m in mine):  # rows written before it was measured lack it
+        row["nll"] = _task_mean([m["answer_nll"] for m in mine], [m["task"] for m in mine])
+        scored = [(m, b) for m, b in paired if b.get("answer_nll") is not None]
+        if scored and not is_base:
+            diff = paired_difference([m["answer_nll"] for m, _ in scored], [b["answer_nll"] for _, b in scored],
+                                     [m["task"] for m, _ in scored])
+            row.update(delta_nll=diff.difference)
+            if not math.isnan(diff.low):
+                row.update(low_nll=diff.low, high_nll=diff.high)
     row["ratio"] = _ratio(mine, [b for _, b in paired], "")
     if all(m.get("answer_bytes") for m in mine):  # rows written before these were measured lack them
         row["answer_ratio"] = _ratio(mine, [b for _, b in paired if b.get("answer_bytes")], "answer_")
     row.update(held=sum(m["held"] for m in mine) / len(mine), seconds=sum(m["seconds"] for m in mine) / len(mine),
                results=mine)
     return row
+
+
+def _task_mean(values: list[float], tasks: list[str]) -> float:
+    """The mean of `values` with every task weighing the same."""
+    groups = [[v for v, t in zip(values, tasks) if t == task] for task in dict.fromkeys(tasks)]
+    return sum(sum(g) / len(g) for g in groups) / len(groups)
 
 
 def _ratio(mine: list[Row], base: list[Row], prefix: str) -> float:
@@ -263,7 +282,9 @@ def table_rows(rows: list[Row]) -> list[Row]:
 
 def markdown_tables(rows: list[Row]) -> str:
     """The summary as markdown, one table per (model, tokens, mode): a line per cache with its ratio, the accuracy of
-    each task (points vs the full cache in brackets), the average with its paired 95 % interval, and the samples."""
+    each task (points vs the full cache in brackets), the average with its paired 95 % interval, and the samples;
+    where every sample was scored with it, the right answer's mean nll and its paired difference with the full
+    cache's."""
     summary = summary_rows(rows)
     runs: dict[tuple, list[Row]] = defaultdict(list)
     for r in summary:
@@ -271,10 +292,12 @@ def markdown_tables(rows: list[Row]) -> str:
     parts = []
     for (model, tokens, mode), group in runs.items():
         tasks = list(dict.fromkeys(r["task"] for r in group if r["task"] != AVERAGE))
+        with_nll = all("nll" in r for r in group if r["task"] == AVERAGE)  # rows measured with the answer's nll
         lines = [f"**{model}, {tokens} tokens, mode {mode}**", "",
                  "| cache | vs fp16 (question / answered) | " + " | ".join(tasks)
-                 + " | average | vs full, 95 % interval | samples |",
-                 "|---" * (len(tasks) + 5) + "|"]
+                 + " | average | vs full, 95 % interval | samples |"
+                 + (" answer nll | nll vs full, 95 % interval |" if with_nll else ""),
+                 "|---" * (len(tasks) + 5 + 2 * with_nll) + "|"]
         cell = {(r["cache"], r["task"]): r for r in group}
         for cache in dict.fromkeys(r["cache"] for r in group):
             avg = cell[cache, AVERAGE]
@@ -282,8 +305,13 @@ def markdown_tables(rows: list[Row]) -> str:
             interval = "baseline" if "delta_pts" not in avg else f"{avg['delta_pts']:+.1f}" + (
                 f" [{avg['low_pts']:+.1f}, {avg['high_pts']:+.1f}]" if "low_pts" in avg else "")
             ratio = f"{avg['ratio']:.2f}x" + (f" / {avg['answer_ratio']:.2f}x" if "answer_ratio" in avg else "")
-            lines.append(f"| {cache} | {ratio} | " + " | ".join(tasks_cells)
-                         + f" | {100 * avg['accuracy']:.1f} | {interval} | {avg['samples']} |")
+            line = (f"| {cache} | {ratio} | " + " | ".join(tasks_cells)
+                    + f" | {100 * avg['accuracy']:.1f} | {interval} | {avg['samples']} |")
+            if with_nll:
+                nll = "baseline" if "delta_nll" not in avg else f"{avg['delta_nll']:+.3f}" + (
+                    f" [{avg['low_nll']:+.3f}, {avg['high_nll']:+.3f}]" if "low_nll" in avg else "")
+                line += f" {avg['nll']:.3f} | {nll} |"
+            lines.append(line)
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
 

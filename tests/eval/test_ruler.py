@@ -11,7 +11,7 @@ import torch
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval.paired import paired_difference
-from hf_kvcache.eval.suites.ruler import pareto_points
+from hf_kvcache.eval.suites.ruler import markdown_tables, pareto_points
 from hf_kvcache.eval.ruler_tasks import (HAYSTACK_TASKS, NEEDLE, TASKS, TaskGenerator, TaskOptions, parse_speeches,
                                          score, spread_depth)
 
@@ -212,7 +212,10 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
             assert r["low_pts"] <= r["delta_pts"] <= r["high_pts"]
         for s in r["results"]:
             assert s["cache"] == r["cache"] and 0.0 <= s["score"] <= 1.0 and s["bytes"] > 0
-            assert s["score"] == score(s["expected"], s["answer"])
+            assert s["score"] == score(s["expected"], s["answer"]) and s["answer_nll"] > 0
+        # the right answer's nll: every cache, and paired against the full cache's (an interval for the average)
+        assert r["nll"] > 0 and ("delta_nll" in r) == (r["cache"] != "dynamic")
+        assert ("low_nll" in r) == ("low_pts" in r)
     by = {(r["cache"], r["task"]): r for r in rows}
     assert by["int4", "average"]["ratio"] > 3 * by["dynamic", "average"]["ratio"]  # 4-bit vs the fp32 full cache
     assert all(r["answer_ratio"] > 0 and r["results"][0]["answer_bytes"] > 0 for r in rows)
@@ -221,6 +224,7 @@ def test_ruler_suite_writes_sample_rows_then_summary_rows_and_resumes(tiny_model
     assert {r["cache"]: {s["replayed"] for s in r["results"]} for r in rows} == {
         "dynamic": {False}, "int4": {True}, "h2o budget=0.5": {False}}
     assert "vs full (pts)" in capsys.readouterr().out
+    assert "| samples | answer nll | nll vs full, 95 % interval |" in markdown_tables(rows)
 
     # a cut-off run leaves sample rows: resume runs only the missing samples, --from-json summarizes either file
     done = {("dynamic", "niah_single"), ("int4", "niah_single"), ("dynamic", "fwe")}
