@@ -141,8 +141,10 @@ def _held(cache) -> tuple[int, int, int]:
 
 def gold_nll(model, cache, lead_ids: list[int], gold_ids: list[int], first_logits: torch.Tensor | None = None
              ) -> float:
-    """The mean negative log-likelihood (nats a token) of `gold_ids`, teacher-forced after `lead_ids` on a copy of
-    `cache` (the cache itself is left as it was, for the greedy answer that follows).
+    """The mean negative log-likelihood (nats a token) of `gold_ids`, teacher-forced on a copy of `cache` the way the
+    answer is decoded (the cache itself is left as it was, for the greedy answer that follows): `lead_ids` in one
+    forward, then one forward a gold token, so that a cache that compresses what it holds at its next update (the
+    calibrating `tiered` default) scores the answer on the same stored state as its greedy answer reads.
 
     Args:
         cache: the cache as the answer starts (context in, compressed as the mode says).
@@ -157,18 +159,19 @@ def gold_nll(model, cache, lead_ids: list[int], gold_ids: list[int], first_logit
 
     if not gold_ids or (not lead_ids and first_logits is None):
         raise ValueError("score at least one gold token, after lead_ids or from first_logits")
-    fed = lead_ids + gold_ids[:-1]  # every token whose next one is a gold token, after the cache's last
-    logits = [] if lead_ids else [first_logits.float()[None]]
-    if fed:
+    steps = ([lead_ids] if lead_ids else []) + [[t] for t in gold_ids[:-1]]  # each step's last logits: a gold token
+    logits = [] if lead_ids else [first_logits.float()]
+    if steps:
         scored = copy.deepcopy(cache)
         if hasattr(scored, "unbind"):  # the copy is bound by `attached` below, as the cache was
             scored.unbind()
         with attached(model, scored):
-            out = model(input_ids=torch.tensor([fed], device=model.device), past_key_values=scored, use_cache=True,
-                        logits_to_keep=len(gold_ids) - len(logits)).logits
-        logits.append(out[0].float())
+            for ids in steps:
+                out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=scored,
+                            use_cache=True, logits_to_keep=1).logits
+                logits.append(out[0, -1].float())
     gold = torch.tensor(gold_ids, device=model.device)
-    return float(torch.nn.functional.cross_entropy(torch.cat(logits, 0), gold))
+    return float(torch.nn.functional.cross_entropy(torch.stack(logits), gold))
 
 
 def question_aware_cache(model, spec: CacheSpec, context_tokens: int, question_tokens: int):
