@@ -223,26 +223,38 @@ def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: li
                    samples=len(mine))
     paired = [(m, b) for m, b in zip(mine, base) if b is not None]
     if paired and not is_base:
-        diff = paired_difference([m["score"] for m, _ in paired], [b["score"] for _, b in paired],
-                                 [m["task"] for m, _ in paired])
-        row.update(delta_pts=100 * diff.difference)
-        if not math.isnan(diff.low):  # one sample: no interval
-            row.update(low_pts=100 * diff.low, high_pts=100 * diff.high)
+        _paired_into(row, "pts", paired, "score", 100.0)
     if all(m.get("answer_nll") is not None for m in mine):  # rows written before it was measured lack it
         row["nll"] = _task_mean([m["answer_nll"] for m in mine], [m["task"] for m in mine])
         scored = [(m, b) for m, b in paired if b.get("answer_nll") is not None]
         if scored and not is_base:
-            diff = paired_difference([m["answer_nll"] for m, _ in scored], [b["answer_nll"] for _, b in scored],
-                                     [m["task"] for m, _ in scored])
-            row.update(delta_nll=diff.difference)
-            if not math.isnan(diff.low):
-                row.update(low_nll=diff.low, high_nll=diff.high)
+            _paired_into(row, "nll", scored, "answer_nll")
     row["ratio"] = _ratio(mine, [b for _, b in paired], "")
     if all(m.get("answer_bytes") for m in mine):  # rows written before these were measured lack them
         row["answer_ratio"] = _ratio(mine, [b for _, b in paired if b.get("answer_bytes")], "answer_")
     row.update(held=sum(m["held"] for m in mine) / len(mine), seconds=sum(m["seconds"] for m in mine) / len(mine),
                results=mine)
     return row
+
+
+def _paired_into(row: Row, name: str, pairs: list[tuple[Row, Row]], key: str, scale: float = 1.0) -> None:
+    """Set `delta_<name>` (the mean of `key` over this cache's samples minus the full cache's, each task weighing
+    the same, times `scale`) and, where there is a spread to resample, `low_<name>` / `high_<name>` (its paired 95 %
+    interval, `paired.paired_difference`) in `row`."""
+    diff = paired_difference([m[key] for m, _ in pairs], [b[key] for _, b in pairs], [m["task"] for m, _ in pairs])
+    row[f"delta_{name}"] = scale * diff.difference
+    if not math.isnan(diff.low):  # one sample: no interval
+        row[f"low_{name}"], row[f"high_{name}"] = scale * diff.low, scale * diff.high
+
+
+def _interval_text(row: Row, name: str, fmt: str) -> str:
+    """`delta_<name>` of a summary row with its interval, for a table cell ("baseline" for the full cache)."""
+    if f"delta_{name}" not in row:
+        return "baseline"
+    text = fmt.format(row[f"delta_{name}"])
+    if f"low_{name}" in row:
+        text += f" [{fmt.format(row[f'low_{name}'])}, {fmt.format(row[f'high_{name}'])}]"
+    return text
 
 
 def _task_mean(values: list[float], tasks: list[str]) -> float:
@@ -302,15 +314,12 @@ def markdown_tables(rows: list[Row]) -> str:
         for cache in dict.fromkeys(r["cache"] for r in group):
             avg = cell[cache, AVERAGE]
             tasks_cells = [_task_cell(cell.get((cache, t))) for t in tasks]
-            interval = "baseline" if "delta_pts" not in avg else f"{avg['delta_pts']:+.1f}" + (
-                f" [{avg['low_pts']:+.1f}, {avg['high_pts']:+.1f}]" if "low_pts" in avg else "")
+            interval = _interval_text(avg, "pts", "{:+.1f}")
             ratio = f"{avg['ratio']:.2f}x" + (f" / {avg['answer_ratio']:.2f}x" if "answer_ratio" in avg else "")
             line = (f"| {cache} | {ratio} | " + " | ".join(tasks_cells)
                     + f" | {100 * avg['accuracy']:.1f} | {interval} | {avg['samples']} |")
             if with_nll:
-                nll = "baseline" if "delta_nll" not in avg else f"{avg['delta_nll']:+.3f}" + (
-                    f" [{avg['low_nll']:+.3f}, {avg['high_nll']:+.3f}]" if "low_nll" in avg else "")
-                line += f" {avg['nll']:.3f} | {nll} |"
+                line += f" {avg['nll']:.3f} | {_interval_text(avg, 'nll', '{:+.3f}')} |"
             lines.append(line)
         parts.append("\n".join(lines))
     return "\n\n".join(parts)
