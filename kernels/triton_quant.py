@@ -27,9 +27,19 @@ from .segments import QuantSegment
 from .triton_decode import _segment_bases, interpreting, merge_splits, sm_count
 
 
-# the launch defaults, read off the H200 sweep (docs/gpu/README.md): 4 warps; splits of at most ~2K tokens (a program
-# that walks more tiles leaves the memory system idle between them), at least 2 programs per SM
+# the launch defaults, read off the H200 sweeps (docs/gpu/README.md): splits of at most ~2K tokens (a program that
+# walks more tiles leaves the memory system idle between them); fp16 / bf16 dots at head dims up to 128 take 2 warps
+# and at least 4 programs per SM (fastest of the 2026-11-28 sweep in every case it timed), the rest 4 warps and 2
 SPLIT_TOKENS = 2048
+ROWS_WARPS, ROWS_WAVES = 2, 4
+WIDE_WARPS, WIDE_WAVES = 4, 2
+
+
+def rows_launch(head_dim: int, dot_f32: bool) -> tuple[int, int]:
+    """(warps, programs per SM) of the row-wise kernel's default launch for `head_dim` and the dots' precision."""
+    if head_dim <= 128 and not dot_f32:
+        return ROWS_WARPS, ROWS_WAVES
+    return WIDE_WARPS, WIDE_WAVES
 
 
 @triton.jit
@@ -123,14 +133,14 @@ def supports(q: torch.Tensor, seg: QuantSegment) -> bool:
 
 
 def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,
-                       dot_f32: bool | None = None, num_warps: int = 4, waves: int = 2,
+                       dot_f32: bool | None = None, num_warps: int | None = None, waves: int | None = None,
                        split_tokens: int = SPLIT_TOKENS, merged: bool = True, num_stages: int | None = None):
     """(m, l, acc) of `q` [B, Hkv, M, D] (float32, already scaled) over `seg`, split along tokens then merged.
 
     Args:
         key_valid: `[B, T]` bool (True = attend) or None.
         dot_f32: IEEE fp32 dots (None: under the interpreter only); False runs fp16 operands, fp32 accumulation.
-        num_warps: warps per program. waves: programs per SM the token splits aim at at least.
+        num_warps: warps per program. waves: programs per SM the token splits aim at at least (None: `rows_launch`).
         split_tokens: tokens per split at most (more splits where batch x heads already fill the waves).
         merged: False returns the per-split partials unmerged (for `triton_step.step_attention`).
         num_stages: software-pipeline stages (None: Triton's default).
@@ -143,6 +153,11 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
     q = q.float().contiguous()
     m_pad = max(16, triton.next_power_of_2(m))
     block = seg.k_group
+    if dot_f32 is None:
+        dot_f32 = interpreting()
+    default_warps, default_waves = rows_launch(d, dot_f32)
+    num_warps = default_warps if num_warps is None else num_warps
+    waves = default_waves if waves is None else waves
     sms = sm_count(q.device.index or 0) if q.is_cuda else 4
     wanted = max(triton.cdiv(waves * sms, b * h), triton.cdiv(n_tok, split_tokens))
     n_split = max(1, min(triton.cdiv(n_tok, block), wanted))
@@ -152,8 +167,6 @@ def quant_partial_rows(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tens
     m_out, l_out, acc_out = out[..., 0], out[..., 1], out[..., 2:]
     parts = [seg.k_codes, seg.k_scale, seg.k_zero, seg.v_codes, seg.v_scale, seg.v_zero]
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else parts[0]
-    if dot_f32 is None:
-        dot_f32 = interpreting()
     _quant_attn_rows_kernel[(b * h, n_split)](
         q, *parts, valid, out, n_tok, h, m, per_split, parts[0].shape[-1], parts[3].shape[-1],
         HAS_VALID=key_valid is not None, M_PAD=m_pad, D=d, K_BITS=seg.k_bits, V_BITS=seg.v_bits,

@@ -13,6 +13,7 @@ import importlib
 import os
 from dataclasses import dataclass
 
+from .triton_quant import rows_launch
 from .triton_tokens import token_launch
 
 ARCH = 90  # the CUDA target compiled for without a GPU: Hopper (sm_90)
@@ -94,7 +95,7 @@ def decode_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, m_pads=(16,),
 def rows_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, kernels=KERNELS) -> list[Variant]:
     """`_quant_attn_rows_kernel` (`decode_attention` -> `triton_quant.quant_partial_rows`, every KIVI-layout segment
     of 2 / 4 / 8 bits on CUDA): fp16 operand dots (models in fp16 / bf16) and fp32 dots (fp32 models), with and
-    without a key mask, M_PAD 16, 4 warps (the launch default)."""
+    without a key mask, M_PAD 16, the default launch's warps (`triton_quant.rows_launch`)."""
     if "_quant_attn_rows_kernel" not in kernels:
         return []
     out = []
@@ -112,7 +113,8 @@ def rows_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, kernels=KERNELS
                         use = f"{tier}, decode, {'fp32 model' if dot_f32 else 'fp16/bf16 model'}"
                         out.append(Variant("triton_quant", "_quant_attn_rows_kernel", tuple(sig.items()),
                                            tuple(c.items()),
-                                           _ptrs(sig) + ("n_tok", "tokens_per_split", "kc_row", "vc_row"), use))
+                                           _ptrs(sig) + ("n_tok", "tokens_per_split", "kc_row", "vc_row"), use,
+                                           num_warps=rows_launch(d, dot_f32)[0]))
     return out
 
 
