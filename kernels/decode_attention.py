@@ -10,7 +10,8 @@ O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform
 kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
 decoded into the full-precision partial (as is every one when the attention mass is asked for). Every full-precision
 piece (tail, new tokens, overlays) makes one more partial. A one-position step over one per-token segment and its
-new tokens (the uniform caches' decode step) is a single native call that attends both. Full-precision overlays
+new tokens (the uniform caches' decode step) is a single native call that attends both; on CUDA a one-position step
+over full-precision pieces alone is torch's SDPA over them joined. Full-precision overlays
 (sinks) replace the positions under them: those columns of the quantized segment are masked and the overlay attends
 in their place. `reference_attention` is the dequantize-then-SDPA reference all paths are tested against.
 """
@@ -90,10 +91,13 @@ def decode_attention(
     kv_heads = (segments[0].keys if isinstance(segments[0], FullSegment) else segments[0].k_codes).shape[1]
     group = hq // kv_heads
     scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
-    q = group_queries(query.float() * scaling, kv_heads)
-    total = sum(s.tokens for s in segments)
     if use_triton is None:
         use_triton = query.is_cuda
+    if use_triton and q_len == 1 and attention_mask is None and not return_mass and not overlays and all(
+            isinstance(s, FullSegment) for s in segments):
+        return _dense_step_sdpa(query, segments, scaling), None
+    q = group_queries(query.float() * scaling, kv_heads)
+    total = sum(s.tokens for s in segments)
     dot_f32 = query.dtype == torch.float32  # the GPU kernels' dots: fp32 for fp32 models, else fp16 operands
     if not (return_mass or use_triton or use_native is False or overlays or q_len != 1):
         part = _token_step_native(q, segments, attention_mask, total, group)
@@ -174,6 +178,17 @@ def decode_attention(
             positions = torch.cat([torch.arange(s0, s0 + seg.tokens) for seg, s0, _ in dense]).to(query.device)
             mass.index_add_(2, positions, p)
     return ungroup_rows(out, hq, q_len).to(query.dtype), mass
+
+
+def _dense_step_sdpa(query: torch.Tensor, segments: list[FullSegment], scaling: float) -> torch.Tensor:
+    """A one-position step over full-precision pieces alone on CUDA (a cache that has not quantized anything yet):
+    torch's SDPA over the pieces joined along tokens. Output `[B, Hq, 1, D]` in the query dtype."""
+    pieces = [s for s in segments if s.tokens] or segments[:1]
+    keys = pieces[0].keys if len(pieces) == 1 else torch.cat([s.keys for s in pieces], dim=2)
+    values = pieces[0].values if len(pieces) == 1 else torch.cat([s.values for s in pieces], dim=2)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, keys.to(query.dtype), values.to(query.dtype), scale=scaling,
+        enable_gqa=query.shape[1] != keys.shape[1])
 
 
 def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dtype: torch.dtype, dot_f32: bool):

@@ -74,14 +74,26 @@ def test_uniform_step_matches_the_reference(step_calls, qdtype):
         torch.testing.assert_close(out.float(), ref, atol=1e-6, rtol=2**-7)
 
 
-def test_only_full_precision_pieces(step_calls):
-    """A cache still all full precision (a short context in the tiered cache): the step attends its pieces alone."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_only_full_precision_pieces(step_calls, dtype):
+    """A cache still all full precision (a short context in the tiered cache): SDPA over its pieces joined, no step
+    launch; the reference's output in the queries' dtype."""
     segments = [full(1, 2, 77, 64, 1), full(1, 2, 1, 64, 2)]
-    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(3))
+    segments = [FullSegment(s.keys.to(dtype), s.values.to(dtype)) for s in segments]
+    q = torch.randn(1, 6, 1, 64, generator=torch.Generator().manual_seed(3)).to(dtype)
     out, _ = decode_attention(q, segments, use_triton=True)
-    ref, _ = reference_attention(q, segments)
-    assert step_calls == [1]
-    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    ref, _ = reference_attention(q.float(), [FullSegment(s.keys.float(), s.values.float()) for s in segments])
+    assert step_calls == [] and out.dtype == dtype
+    if dtype == torch.float32:  # measured 2.4e-7
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    else:  # within one bf16 ulp of the largest output (measured 2.0e-3 against 3.0e-3; the fp32 path rounding its
+        # output to bf16: 1.9e-3)
+        torch.testing.assert_close(out.float(), ref, atol=ref.abs().max().item() * 2**-8, rtol=0)
+    one, _ = decode_attention(q, segments[:1], use_triton=True)  # one piece: no join
+    ref_one, _ = reference_attention(q.float(), [FullSegment(segments[0].keys.float(), segments[0].values.float())])
+    bf16 = dtype == torch.bfloat16  # measured 2.1e-3
+    torch.testing.assert_close(one.float(), ref_one, atol=ref_one.abs().max().item() * 2**-8 if bf16 else 2e-6,
+                               rtol=0 if bf16 else 1e-5)
 
 
 def test_what_the_step_does_not_take_goes_the_general_way(step_calls):
