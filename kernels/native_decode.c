@@ -33,6 +33,41 @@ INLINE uint32_t load32(const uint8_t* p) {
     return w;
 }
 
+/* Rows q[MB, D] (row stride D) against a channel-major tile t[d * TG + tt]: out[r * TG + tt] = bias[r] + sum_d q[r, d]
+   t[d, tt]. MB (up to 4) and TG are constants where it is inlined, so the MB x TG sums stay in registers and each
+   tile element is loaded once for all MB rows. */
+INLINE void tile_dot(const float* q, const int MB, const int D, const float* t, const int TG, const float* bias,
+                     float* out) {
+    float acc[4 * MAXTG] __attribute__((aligned(64)));
+    for (int r = 0; r < MB; r++)
+        for (int tt = 0; tt < TG; tt++) acc[r * TG + tt] = bias ? bias[r] : 0.f;
+    for (int d = 0; d < D; d++) {
+        const float* c = t + d * TG;
+        for (int r = 0; r < MB; r++) {
+            const float w = q[r * D + d];
+            for (int tt = 0; tt < TG; tt++) acc[r * TG + tt] += w * c[tt];
+        }
+    }
+    memcpy(out, acc, sizeof(float) * MB * TG);
+}
+
+/* Every row of q[M, D] against the tile, four rows at a time: s[m * n + t0 + tt] for tt < nt. */
+INLINE void tile_scores(const float* q, int M, const int D, const float* t, const int TG, const float* bias,
+                        int nt, int64_t n, int t0, float* s) {
+    float out[4 * MAXTG] __attribute__((aligned(64)));
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const int mb = M - m0 < 4 ? M - m0 : 4;
+        const float* b = bias ? bias + m0 : 0;
+        switch (mb) {
+            case 4: tile_dot(q + m0 * D, 4, D, t, TG, b, out); break;
+            case 3: tile_dot(q + m0 * D, 3, D, t, TG, b, out); break;
+            case 2: tile_dot(q + m0 * D, 2, D, t, TG, b, out); break;
+            default: tile_dot(q + m0 * D, 1, D, t, TG, b, out); break;
+        }
+        for (int r = 0; r < mb; r++) memcpy(s + (int64_t)(m0 + r) * n + t0, out + r * TG, nt * sizeof(float));
+    }
+}
+
 /* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of codes kc (row stride kc_st bytes), group scales and
    zeros ks, kz [groups, D]. TG (a divisor of kgroup) tokens per tile. */
 INLINE void scores(const float* q, int M, const int D, const uint8_t* kc, int64_t kc_st, int kbits, int kgroup,
@@ -65,16 +100,7 @@ INLINE void scores(const float* q, int M, const int D, const uint8_t* kc, int64_
                     const uint32_t* src = trw + w * TG;
                     for (int tt = 0; tt < TG; tt++) c[tt] = (float)((src[tt] >> sh) & mask);
                 }
-            for (int m = 0; m < M; m++) {
-                float acc[MAXTG] __attribute__((aligned(64)));
-                for (int tt = 0; tt < TG; tt++) acc[tt] = bias[m];
-                for (int d = 0; d < D; d++) {
-                    const float wd = qs[m * D + d];
-                    const float* c = cbt + d * TG;
-                    for (int tt = 0; tt < TG; tt++) acc[tt] += wd * c[tt];
-                }
-                memcpy(s + (int64_t)m * n + t0, acc, nt * sizeof(float));
-            }
+            tile_scores(qs, M, D, cbt, TG, bias, nt, n, t0, s);
         }
     }
 }
@@ -101,6 +127,21 @@ INLINE void unpack_scaled(const uint8_t* row, const float* sj, float* c, const i
     const int per = 8 / bits, vpb = D / per, mask = (1 << bits) - 1;
     for (int l = 0; l < per; l++)
         for (int j = 0; j < vpb; j++) c[l * vpb + j] = (float)((row[j] >> (bits * l)) & mask) * sj[j];
+}
+
+/* acc[r * D + i] += sum_tt p[r * n + tt] cw[tt * D + i] for MB (up to 4, a constant where inlined) rows: each row of
+   cw is loaded once for all MB rows. */
+INLINE void tile_values(const float* p, int64_t n, const int MB, const int D, const float* cw, int nt, float* acc) {
+    float a[4 * MAXD] __attribute__((aligned(64)));
+    memcpy(a, acc, sizeof(float) * MB * D);
+    for (int tt = 0; tt < nt; tt++) {
+        const float* c = cw + tt * D;
+        for (int r = 0; r < MB; r++) {
+            const float pt = p[r * n + tt];
+            for (int i = 0; i < D; i++) a[r * D + i] += pt * c[i];
+        }
+    }
+    memcpy(acc, a, sizeof(float) * MB * D);
 }
 
 /* out[m, d] = sum_t p[m * n + t] v[t, d] from value codes vc (row stride vc_st), scales and zeros vs, vz [n, J].
@@ -138,16 +179,18 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
                 default: unpack_scaled(row, sj, c, D, 8); break;
             }
         }
-        for (int m = 0; m < M; m++) {
-            float a[MAXD] __attribute__((aligned(64)));
-            memcpy(a, acc + m * D, D * sizeof(float));
-            const float* pm = p + (int64_t)m * n + t0;
-            for (int tt = 0; tt < nt; tt++) {
-                const float pt = pm[tt];
-                const float* c = cw + tt * D;
-                for (int i = 0; i < D; i++) a[i] += pt * c[i];
+        for (int m0 = 0; m0 < M; m0 += 4) {
+            const int mb = M - m0 < 4 ? M - m0 : 4;
+            const float* pm = p + (int64_t)m0 * n + t0;
+            switch (mb) {
+                case 4: tile_values(pm, n, 4, D, cw, nt, acc + m0 * D); break;
+                case 3: tile_values(pm, n, 3, D, cw, nt, acc + m0 * D); break;
+                case 2: tile_values(pm, n, 2, D, cw, nt, acc + m0 * D); break;
+                default: tile_values(pm, n, 1, D, cw, nt, acc + m0 * D); break;
             }
-            memcpy(acc + m * D, a, D * sizeof(float));
+        }
+        for (int m = 0; m < M; m++) {
+            const float* pm = p + (int64_t)m * n + t0;
             const float* z = vz + (int64_t)t0 * J;
             for (int j = 0; j < J; j++) {
                 float zj = 0.f;
@@ -386,16 +429,7 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                 }
             }
         }
-        for (int m = 0; m < M; m++) {
-            float acc[TG] __attribute__((aligned(64)));
-            for (int tt = 0; tt < TG; tt++) acc[tt] = 0.f;
-            for (int d = 0; d < D; d++) {
-                const float wd = q[m * D + d];
-                const float* c = kt + d * TG;
-                for (int tt = 0; tt < TG; tt++) acc[tt] += wd * c[tt];
-            }
-            memcpy(s + (int64_t)m * n + t0, acc, nt * sizeof(float));
-        }
+        tile_scores(q, M, D, kt, TG, 0, nt, n, t0, s);
     }
 }
 

@@ -343,6 +343,24 @@ def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, cap
         torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
 
 
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8, 16])
+def test_native_kernels_take_any_number_of_rows(m):
+    """The kernels work through the query rows four at a time: every remainder (and the 16-row maximum) gives the
+    reference partial, for KIVI-layout codes and for per-token codes."""
+    native_or_skip()
+    from hf_kvcache.kernels.blockwise import dense_partial, finish
+    from hf_kvcache.kernels.from_codes import quant_partial_codes
+
+    q = torch.randn(1, 2, m, 64, generator=torch.Generator().manual_seed(m)) / 8
+    seg = quant_segment(1, 2, 96, 64, 4, 2, k_group=32, v_group=32, seed=m)
+    got, ref = finish(native.quant_partial_native(q, seg, None)), finish(quant_partial_codes(q, seg, None))
+    torch.testing.assert_close(got[0], ref[0], atol=5e-6, rtol=1e-5)  # measured up to 1.9e-6
+    tok = token_segment(1, 2, 77, 64, "int4", prerope=True, seed=m)
+    k, v = tok.dequantize(torch.float32)
+    got, ref = finish(native.token_partial_native(q, tok, None)), finish(dense_partial(q, k, v, None))
+    torch.testing.assert_close(got[0], ref[0], atol=5e-6, rtol=1e-5)  # measured up to 3.2e-6
+
 @pytest.mark.parametrize(
     "d,dtype,group_size,symmetric,prerope",
     [(64, "int4", None, None, False), (64, "int4", None, None, True), (64, "int8", None, None, True),
