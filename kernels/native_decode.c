@@ -402,6 +402,39 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                 zct[g * TG + tt] = tt < nt ? kz[t * G + g] : 0.f;
             }
         }
+        if (cshift && nt == TG) {  /* a whole tile of pre-RoPE codes: decode channels d and d + D / 2 together and
+                                      rotate them while they are in registers (word w + words / 2 holds d + D / 2) */
+            for (int w = 0; w < words / 2; w++)
+                for (int k = 0; k < 4 * per; k++) {
+                    const int d = 4 * w * per + k, e = d + half, sh = 8 * (k / per) + kbits * (k % per);
+                    const uint32_t *s1 = trw + w * TG, *s2 = trw + (w + words / 2) * TG;
+                    const float *sc1 = sct + (d / kgroup) * TG, *zr1 = zct + (d / kgroup) * TG;
+                    const float *sc2 = sct + (e / kgroup) * TG, *zr2 = zct + (e / kgroup) * TG;
+                    const float a1 = cscale[d], b1 = cshift[d], a2 = cscale[e], b2 = cshift[e];
+                    const float* cr = rc + d * r_st + t0;
+                    const float* sr = rs + d * r_st + t0;
+                    float *c1 = kt + d * TG, *c2 = kt + e * TG;
+                    float v1[TG] __attribute__((aligned(64))), v2[TG] __attribute__((aligned(64)));
+                    if (klut)
+                        for (int tt = 0; tt < TG; tt++) {
+                            v1[tt] = klut[(s1[tt] >> sh) & 0xFF];
+                            v2[tt] = klut[(s2[tt] >> sh) & 0xFF];
+                        }
+                    else
+                        for (int tt = 0; tt < TG; tt++) {
+                            v1[tt] = (float)((s1[tt] >> sh) & mask);
+                            v2[tt] = (float)((s2[tt] >> sh) & mask);
+                        }
+                    for (int tt = 0; tt < TG; tt++) {
+                        const float x = v1[tt] * (sc1[tt] * a1) + (zr1[tt] * a1 + b1);
+                        const float y = v2[tt] * (sc2[tt] * a2) + (zr2[tt] * a2 + b2);
+                        c1[tt] = x * cr[tt] - y * sr[tt];
+                        c2[tt] = y * cr[tt] + x * sr[tt];
+                    }
+                }
+            tile_scores(q, M, D, kt, TG, 0, nt, n, t0, s);
+            continue;
+        }
         for (int w = 0; w < words; w++)  /* byte 4w + k / per, lane k % per: channel 4 w per + k */
             for (int k = 0; k < 4 * per; k++) {
                 const int d = 4 * w * per + k, sh = 8 * (k / per) + kbits * (k % per), g = d / kgroup;
