@@ -18,6 +18,13 @@ Tasks (`TASKS`), each a context then a question that ends in the first words of 
 * `qa_speaker` -- an excerpt of `speeches` consecutive speeches of a Shakespeare play ("SPEAKER. line ...") hidden in
   the haystack; asked who says a quoted line of it. Expected: [the speaker's name].
 
+A long-answer task (`LONG_ANSWER_TASKS`, asked for by name, not in the default set): its answer is written over
+~150 tokens, so a cache that keeps a budget while the answer grows (eviction while decoding) can drop what the
+answer has not reached yet.
+
+* `niah_recall` -- `recall_items` needle sentences of different keys at random depths; asked for every secret
+  number in the order they appear (no key named). Expected: every value (scored as the others: the fraction found).
+
 Every prompt starts with what the tokenizer puts before a text (e.g. Gemma's <bos>), then an instruction; a
 haystack task's context is filled with a window of the book that starts at a sentence, the inserted items placed at
 sentence ends; context + question is exactly `tokens` tokens (list tasks: at most `tokens`, within a word of it).
@@ -38,7 +45,10 @@ from dataclasses import dataclass, field
 from .haystack import filler_window, nearest_split, sentence_splits
 
 TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe", "qa_speaker")
-HAYSTACK_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "qa_speaker")
+LONG_ANSWER_TASKS = ("niah_recall",)
+ALL_TASKS = TASKS + LONG_ANSWER_TASKS
+HAYSTACK_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "vt", "qa_speaker",
+                  "niah_recall")
 MIN_FILLER = 64  # haystack tokens a prompt must leave for prose
 
 NEEDLE = " The secret number for the word '{key}' is {value}."
@@ -65,9 +75,10 @@ class TaskOptions:
     frequent_words: int = 3  # fwe: words asked for
     zipf: float = 2.0  # fwe: exponent of the Zipf law of the coded words
     speeches: int = 6  # qa_speaker: speeches in the excerpt
+    recall_items: int = 16  # niah_recall: needles, all asked for
 
     def __post_init__(self) -> None:
-        for name in ("needles", "chains", "hops", "common_words", "frequent_words", "speeches"):
+        for name in ("needles", "chains", "hops", "common_words", "frequent_words", "speeches", "recall_items"):
             if getattr(self, name) < 1:
                 raise ValueError(f"TaskOptions.{name} must be >= 1, got {getattr(self, name)}")
         if self.needles < 2 or self.speeches < 2:
@@ -179,7 +190,7 @@ class TaskGenerator:
         """Samples 0 .. count-1 of one task.
 
         Args:
-            task: one of `TASKS`.
+            task: one of `ALL_TASKS` (`TASKS`, or a long-answer task of `LONG_ANSWER_TASKS`).
             tokens: the prompt length in this tokenizer's tokens (context + question).
             count: how many samples.
             seed: sample `i` is drawn from `random.Random(f"{seed}:{task}:{tokens}:{i}")`.
@@ -187,8 +198,8 @@ class TaskGenerator:
         Returns:
             `count` samples, in index order.
         """
-        if task not in TASKS:
-            raise ValueError(f"unknown task {task!r}; pick from {', '.join(TASKS)}")
+        if task not in ALL_TASKS:
+            raise ValueError(f"unknown task {task!r}; pick from {', '.join(ALL_TASKS)}")
         if count < 1:
             raise ValueError(f"samples per task must be >= 1, got {count}")
         if task == "qa_speaker" and not self.scenes:
@@ -243,7 +254,7 @@ class TaskGenerator:
 
     # ---- the tasks --------------------------------------------------------------------------------------------------
     def _niah(self, task: str, tokens: int, index: int, rng: random.Random) -> RulerSample:
-        n = 1 if task == "niah_single" else self.options.needles
+        n = {"niah_single": 1, "niah_recall": self.options.recall_items}.get(task, self.options.needles)
         keys = self._keys(rng, n)
         values = self._numbers(rng, n)
         if task == "niah_multivalue":
@@ -251,6 +262,8 @@ class TaskGenerator:
         pairs = list(zip(keys, values))
         if task == "niah_single":
             depths = [spread_depth(index)]
+        elif task == "niah_recall":  # asked in the order they appear: the values in depth order
+            depths = sorted(rng.random() for _ in pairs)
         else:
             depths = sorted(rng.random() for _ in pairs)
             rng.shuffle(pairs)  # the asked key (multikey) at any of the depths
@@ -264,6 +277,10 @@ class TaskGenerator:
             key, expected = keys[0], values
             question = self._question(f"What are all the secret numbers for the word '{key}' in the text above?",
                                       f"The secret numbers for the word '{key}' are")
+        elif task == "niah_recall":
+            expected = values
+            question = self._question("List every secret number hidden in the text above, in the order they appear.",
+                                      "The secret numbers, in the order they appear, are")
         else:
             expected = values
             asked = ", ".join(f"'{k}'" for k in keys)

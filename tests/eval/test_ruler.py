@@ -12,8 +12,8 @@ import torch
 from hf_kvcache.cli import main
 from hf_kvcache.eval.paired import paired_difference
 from hf_kvcache.eval.suites.ruler import markdown_tables, pareto_points
-from hf_kvcache.eval.ruler_tasks import (HAYSTACK_TASKS, NEEDLE, TASKS, TaskGenerator, TaskOptions, parse_speeches,
-                                         score, spread_depth)
+from hf_kvcache.eval.ruler_tasks import (HAYSTACK_TASKS, LONG_ANSWER_TASKS, NEEDLE, TASKS, TaskGenerator, TaskOptions,
+                                         parse_speeches, score, spread_depth)
 
 TOKENS = 1024
 
@@ -93,6 +93,19 @@ def test_needle_answers_are_derivable_from_the_context(samples, tokenizer):
                 assert len({k for k, _ in found}) == 4 and len(asked) == 1
 
 
+
+def test_the_long_answer_task_asks_for_every_needle_in_order(gen, tokenizer):
+    """niah_recall (not among the default tasks): 16 needles of different keys, none named in the question; the
+    expected values in the order they appear, and room to write them all (~150 tokens)."""
+    assert LONG_ANSWER_TASKS == ("niah_recall",) and "niah_recall" not in TASKS
+    for s in gen.samples("niah_recall", 2048, 2, seed=5):
+        found = _needles(tokenizer.decode(s.context_ids))
+        assert [v for _, v in found] == s.expected and len({k for k, _ in found}) == 16
+        assert s.tokens == 2048 and s.depths == sorted(s.depths) and len(s.depths) == 16
+        question = tokenizer.decode(s.question_ids)
+        assert "in the order they appear" in question and not any(f"'{k}'" in question for k, _ in found)
+        assert s.new_tokens >= len(gen.ids(s.gold_text)) > 100
+
 def test_variable_tracking_answer_is_the_chain_of_the_asked_value(samples, tokenizer):
     for s in samples["vt"]:
         text = tokenizer.decode(s.context_ids)
@@ -140,7 +153,7 @@ def test_score_is_the_fraction_of_expected_strings_found():
 
 
 @pytest.mark.parametrize("call, message", [
-    (lambda g: g.samples("niah", 1024, 1), "unknown task 'niah'"),
+    (lambda g: g.samples("niah", 1024, 1), "unknown task 'niah'; pick from niah_single"),
     (lambda g: g.samples("vt", 1024, 0), "samples per task must be >= 1"),
     (lambda g: g.samples("niah_multikey", 100, 1), "ask for more tokens"),
     (lambda g: g.samples("cwe", 300, 1), "cannot hold cwe's 10 x 30 common words"),
@@ -156,6 +169,7 @@ def test_bad_generator_input_names_the_fix(gen, call, message):
     (dict(hops=0), "hops must be >= 1"),
     (dict(common_count=4, rare_count=3), "common_count > rare_count + 1"),
     (dict(zipf=0.0), "zipf must be > 0"),
+    (dict(recall_items=0), "recall_items must be >= 1"),
 ])
 def test_bad_task_options(options, message):
     with pytest.raises(ValueError, match=re.escape(message)):
