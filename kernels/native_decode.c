@@ -22,6 +22,7 @@
 #define MAXM 16           /* query rows per KV head */
 #define MAXD 256          /* head dim */
 #define MAXTG 64          /* tokens per tile */
+#define MAXW 256          /* widest row rows_update keeps in registers: max(MAXTG, MAXD) */
 #define MAXG 32           /* per-token key scales (groups of channels) */
 #define NEG (-3.0e38f)    /* a masked score */
 #define MAXDENSE 64       /* full-precision tokens attended in the same call as per-token codes */
@@ -33,39 +34,45 @@ INLINE uint32_t load32(const uint8_t* p) {
     return w;
 }
 
-/* Rows q[MB, D] (row stride D) against a channel-major tile t[d * TG + tt]: out[r * TG + tt] = bias[r] + sum_d q[r, d]
-   t[d, tt]. MB (up to 4) and TG are constants where it is inlined, so the MB x TG sums stay in registers and each
-   tile element is loaded once for all MB rows. */
-INLINE void tile_dot(const float* q, const int MB, const int D, const float* t, const int TG, const float* bias,
-                     float* out) {
-    float acc[4 * MAXTG] __attribute__((aligned(64)));
-    for (int r = 0; r < MB; r++)
-        for (int tt = 0; tt < TG; tt++) acc[r * TG + tt] = bias ? bias[r] : 0.f;
-    for (int d = 0; d < D; d++) {
-        const float* c = t + d * TG;
+/* acc[r * W + x] += sum_k w[r * ws + k] c[k * W + x] for r < MB, x < W, k < K: MB (up to 4) rows of weights against
+   the K rows of c, each row of c loaded once for all MB rows. MB and W are constants where it is inlined, so the
+   MB x W sums stay in registers. */
+INLINE void rows_update(const float* w, int64_t ws, const int MB, int K, const float* c, const int W, float* acc) {
+    float a[4 * MAXW] __attribute__((aligned(64)));
+    memcpy(a, acc, sizeof(float) * MB * W);
+    for (int k = 0; k < K; k++) {
+        const float* ck = c + (int64_t)k * W;
         for (int r = 0; r < MB; r++) {
-            const float w = q[r * D + d];
-            for (int tt = 0; tt < TG; tt++) acc[r * TG + tt] += w * c[tt];
+            const float wr = w[r * ws + k];
+            for (int x = 0; x < W; x++) a[r * W + x] += wr * ck[x];
         }
     }
-    memcpy(out, acc, sizeof(float) * MB * TG);
+    memcpy(acc, a, sizeof(float) * MB * W);
 }
 
-/* Every row of q[M, D] against the tile, four rows at a time: s[m * n + t0 + tt] for tt < nt. */
+/* `rows_update` for any number M of rows, four at a time (row r's sums at acc + r * W). */
+INLINE void rows_update_all(const float* w, int64_t ws, int M, int K, const float* c, const int W, float* acc) {
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const float* wm = w + m0 * ws;
+        float* am = acc + m0 * W;
+        switch (M - m0 < 4 ? M - m0 : 4) {
+            case 4: rows_update(wm, ws, 4, K, c, W, am); break;
+            case 3: rows_update(wm, ws, 3, K, c, W, am); break;
+            case 2: rows_update(wm, ws, 2, K, c, W, am); break;
+            default: rows_update(wm, ws, 1, K, c, W, am); break;
+        }
+    }
+}
+
+/* Scores s[m * n + t0 + tt] (tt < nt) of the rows q[M, D] over a channel-major tile t[d * TG + tt], plus bias[m]
+   (NULL: none). */
 INLINE void tile_scores(const float* q, int M, const int D, const float* t, const int TG, const float* bias,
                         int nt, int64_t n, int t0, float* s) {
-    float out[4 * MAXTG] __attribute__((aligned(64)));
-    for (int m0 = 0; m0 < M; m0 += 4) {
-        const int mb = M - m0 < 4 ? M - m0 : 4;
-        const float* b = bias ? bias + m0 : 0;
-        switch (mb) {
-            case 4: tile_dot(q + m0 * D, 4, D, t, TG, b, out); break;
-            case 3: tile_dot(q + m0 * D, 3, D, t, TG, b, out); break;
-            case 2: tile_dot(q + m0 * D, 2, D, t, TG, b, out); break;
-            default: tile_dot(q + m0 * D, 1, D, t, TG, b, out); break;
-        }
-        for (int r = 0; r < mb; r++) memcpy(s + (int64_t)(m0 + r) * n + t0, out + r * TG, nt * sizeof(float));
-    }
+    float out[MAXM * MAXTG] __attribute__((aligned(64)));
+    for (int m = 0; m < M; m++)
+        for (int tt = 0; tt < TG; tt++) out[m * TG + tt] = bias ? bias[m] : 0.f;
+    rows_update_all(q, D, M, D, t, TG, out);
+    for (int m = 0; m < M; m++) memcpy(s + (int64_t)m * n + t0, out + m * TG, nt * sizeof(float));
 }
 
 /* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of codes kc (row stride kc_st bytes), group scales and
@@ -129,21 +136,6 @@ INLINE void unpack_scaled(const uint8_t* row, const float* sj, float* c, const i
         for (int j = 0; j < vpb; j++) c[l * vpb + j] = (float)((row[j] >> (bits * l)) & mask) * sj[j];
 }
 
-/* acc[r * D + i] += sum_tt p[r * n + tt] cw[tt * D + i] for MB (up to 4, a constant where inlined) rows: each row of
-   cw is loaded once for all MB rows. */
-INLINE void tile_values(const float* p, int64_t n, const int MB, const int D, const float* cw, int nt, float* acc) {
-    float a[4 * MAXD] __attribute__((aligned(64)));
-    memcpy(a, acc, sizeof(float) * MB * D);
-    for (int tt = 0; tt < nt; tt++) {
-        const float* c = cw + tt * D;
-        for (int r = 0; r < MB; r++) {
-            const float pt = p[r * n + tt];
-            for (int i = 0; i < D; i++) a[r * D + i] += pt * c[i];
-        }
-    }
-    memcpy(acc, a, sizeof(float) * MB * D);
-}
-
 /* out[m, d] = sum_t p[m * n + t] v[t, d] from value codes vc (row stride vc_st), scales and zeros vs, vz [n, J].
    Codes unpack lane by lane: lane l of byte j is channel j * vper + l, held at i = l * vpb + j. */
 INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
@@ -179,16 +171,7 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
                 default: unpack_scaled(row, sj, c, D, 8); break;
             }
         }
-        for (int m0 = 0; m0 < M; m0 += 4) {
-            const int mb = M - m0 < 4 ? M - m0 : 4;
-            const float* pm = p + (int64_t)m0 * n + t0;
-            switch (mb) {
-                case 4: tile_values(pm, n, 4, D, cw, nt, acc + m0 * D); break;
-                case 3: tile_values(pm, n, 3, D, cw, nt, acc + m0 * D); break;
-                case 2: tile_values(pm, n, 2, D, cw, nt, acc + m0 * D); break;
-                default: tile_values(pm, n, 1, D, cw, nt, acc + m0 * D); break;
-            }
-        }
+        rows_update_all(p + t0, n, M, nt, cw, D, acc);  /* each row of cw read once per four rows */
         for (int m = 0; m < M; m++) {
             const float* pm = p + (int64_t)m * n + t0;
             const float* z = vz + (int64_t)t0 * J;
