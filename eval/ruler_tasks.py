@@ -262,11 +262,10 @@ class TaskGenerator:
         pairs = list(zip(keys, values))
         if task == "niah_single":
             depths = [spread_depth(index)]
-        elif task == "niah_recall":  # asked in the order they appear: the values in depth order
-            depths = sorted(rng.random() for _ in pairs)
         else:
             depths = sorted(rng.random() for _ in pairs)
-            rng.shuffle(pairs)  # the asked key (multikey) at any of the depths
+            if task != "niah_recall":  # recall asks in the order they appear: the values stay in depth order
+                rng.shuffle(pairs)  # the asked key (multikey) at any of the depths
         items = [NEEDLE.format(key=k, value=v) for k, v in pairs]
         if task in ("niah_single", "niah_multikey"):
             key = keys[0]

@@ -93,8 +93,8 @@ def decode_attention(
     scaling = 1.0 / math.sqrt(d) if scaling is None else scaling
     if use_triton is None:
         use_triton = query.is_cuda
-    if use_triton and q_len == 1 and attention_mask is None and not return_mass and not overlays and all(
-            isinstance(s, FullSegment) for s in segments):
+    gpu_step = use_triton and q_len == 1 and attention_mask is None and not return_mass  # one launch serves it
+    if gpu_step and not overlays and all(isinstance(s, FullSegment) for s in segments):
         return _dense_step_sdpa(query, segments, scaling), None
     q = group_queries(query.float() * scaling, kv_heads)
     total = sum(s.tokens for s in segments)
@@ -107,7 +107,7 @@ def decode_attention(
         out = _segments_step_native(q, segments, overlays, attention_mask, total, group)
         if out is not None:
             return ungroup_rows(out, hq, q_len).to(query.dtype), None
-    if use_triton and q_len == 1 and attention_mask is None and not return_mass:
+    if gpu_step:
         out = _step_triton(q, segments, overlays, query.dtype, dot_f32)
         if out is not None:
             return ungroup_rows(out, hq, q_len), None
