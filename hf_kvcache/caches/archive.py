@@ -163,7 +163,7 @@ class KVQuantFormat(_PreRoPEFormat):
         p = self.layer.plan
         keys, values = self._whole_groups(keys), self._whole_groups(values)
         self.codebooks = (
-            fit_codebook(keys, self.bits, "channel", p.archive_group, p.archive_outliers),
+            fit_codebook(keys, self.spec.kbits, "channel", p.archive_group, p.archive_outliers),
             fit_codebook(values, self.bits, "token", p.value_group_size, p.archive_outliers),
         )
 

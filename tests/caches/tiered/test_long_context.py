@@ -58,9 +58,26 @@ def test_archive_keys_take_their_own_width():
     assert tiers[3]["bytes"] - tiers[None]["bytes"] == codes * LAYERS
 
 
+def test_kvquant_archive_keys_take_their_own_width():
+    """The KVQuant archive's keys fit a codebook of 2**archive_key_bits levels; its values keep archive_bits."""
+    opts = dict(SMALL, archive_quantizer="kvquant", archive_outliers=0.0)
+    caches = {bits: TieredQuantCache(config=llama_config(), **opts, archive_key_bits=bits) for bits in (None, 3)}
+    fed = {bits: stream_random(c, [200], B, H, 64, LAYERS) for bits, c in caches.items()}
+    assert format_label(caches[3].layers[0].tiers.archive) == "kvquant-3/2"
+    assert format_label(caches[None].layers[0].tiers.archive) == "kvquant-2"
+    k2, v2, k, v = archived(caches[None], *fed[None])
+    k3, v3, _, _ = archived(caches[3], *fed[3])
+    assert torch.equal(v3, v2)
+    assert rel(k3, k) < 0.6 * rel(k2, k)
+    tiers = {bits: c.memory_stats()["tiers"]["archive"] for bits, c in caches.items()}
+    codes = B * H * 64 * tiers[3]["tokens"] // 8  # one more bit a key element
+    levels = H * 64 * (8 - 4) * 2  # the keys' codebook: 8 fp16 levels a channel instead of 4
+    assert tiers[3]["bytes"] - tiers[None]["bytes"] == (codes + levels) * LAYERS
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(archive_key_bits=9), "archive_key_bits"),
-    (dict(archive_key_bits=3, archive_quantizer="kvquant"), "sets the key width of a KIVI archive"),
+    (dict(archive_key_bits=3, archive_quantizer="subspace"), "sets the key width of a KIVI or KVQuant archive"),
     (dict(target_ratio=1.0), "target_ratio"),
 ])
 def test_bad_long_context_options_are_clear_errors(options, message):
