@@ -92,7 +92,7 @@ COLUMNS: dict[str, tuple[str, str]] = {
 LAST = ("accuracy", "trials")  # after the suite's own columns (passkey: after the accuracy per depth)
 DEPTH_PREFIX = "depth "  # passkey: "depth 0.5" -> accuracy at that depth
 # in the JSON, not in the table: said once above the table, or too long for a cell
-HIDDEN = {"suite", "model", "section", "fp16_bytes", "seconds", "layer", "command"}
+HIDDEN = {"suite", "model", "section", "fp16_bytes", "seconds", "layer", "command", "earlier_commands"}
 
 
 def make_row(suite: str, cache: str, model: str, tokens: int, **metrics: Any) -> Row:

@@ -22,7 +22,8 @@ Rows: with `--json`, one row per (sample, cache) is written as soon as it is mea
 `expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `replayed`, `seconds`, `answer_nll`: the mean nll in nats a
 token of the right answer `RulerSample.gold_text`, teacher-forced on a copy of the cache as the answer starts,
 `passkey.gold_nll`: a graded score where the string match is all or nothing); `--resume` keeps those already in the
-file and runs the others. The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
+file and runs the others (a summary row whose samples came from the file names the invocations that measured them in
+`earlier_commands`; its `command` is the resumed run's). The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
 cache, task) and per "average" over the tasks: `accuracy` (mean score), `samples`, `delta_pts` (points vs the full
 cache on the same samples) with `low_pts` / `high_pts` (its 95 % paired bootstrap interval, `paired.paired_difference`;
 the average's resamples within each task), `ratio` (the full cache's fp16 bytes / this cache's bytes when the answer
@@ -119,6 +120,15 @@ def sample_rows_of(rows: list[Row]) -> list[Row]:
     return out
 
 
+def _with_commands(rows: list[Row]) -> list[Row]:
+    """`rows` of an earlier file, each summary row's `command` stamped on its sample rows that lack one, so that a
+    resumed run's summaries can say which invocations measured the samples it carried over (`earlier_commands`)."""
+    for r in rows:
+        for sample in r.get("results", []) if r.get("command") else []:
+            sample.setdefault("command", r["command"])
+    return rows
+
+
 class SampleLog:
     """The sample rows of a run, rewritten to `path` (atomically) after every one; `resume` starts from those the
     file holds."""
@@ -129,7 +139,7 @@ class SampleLog:
             if not path or not os.path.exists(path):
                 raise ValueError("--resume continues the sample rows of an earlier --json file: give that file")
             with open(path) as f:
-                self.rows = sample_rows_of(json.load(f))
+                self.rows = sample_rows_of(_with_commands(json.load(f)))
         self.done = {tuple(r.get(k) for k in SAMPLE_KEYS) for r in self.rows}
 
     def has(self, **key) -> bool:
@@ -235,6 +245,9 @@ def _summary(model: str, tokens: int, mode: str, cache: str, task: str, mine: li
         row["answer_ratio"] = _ratio(mine, [b for _, b in paired if b.get("answer_bytes")], "answer_")
     row.update(held=sum(m["held"] for m in mine) / len(mine), seconds=sum(m["seconds"] for m in mine) / len(mine),
                results=mine)
+    earlier = sorted({m["command"] for m in mine if m.get("command")})
+    if earlier:  # samples carried over by --resume: the runs that measured them (the row's `command` is this run's)
+        row["earlier_commands"] = earlier
     return row
 
 

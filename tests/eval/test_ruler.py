@@ -11,7 +11,7 @@ import torch
 
 from hf_kvcache.cli import main
 from hf_kvcache.eval.paired import paired_difference
-from hf_kvcache.eval.suites.ruler import markdown_tables, pareto_points
+from hf_kvcache.eval.suites.ruler import SampleLog, markdown_tables, pareto_points, summary_rows
 from hf_kvcache.eval.ruler_tasks import (HAYSTACK_TASKS, LONG_ANSWER_TASKS, NEEDLE, TASKS, TaskGenerator, TaskOptions,
                                          parse_speeches, score, spread_depth)
 
@@ -313,3 +313,21 @@ def test_budgets_leave_a_cache_that_sets_its_own_budget_as_it_is(tiny_model_dir,
                  "--budgets", "0.25", "--json", str(path)]) == 0
     caches = sorted({r["cache"] for r in json.loads(path.read_text())})
     assert caches == ["dynamic", "h2o budget=0.25", "h2o-own"]
+
+
+def test_a_resumed_run_keeps_the_commands_that_measured_its_earlier_samples(tmp_path):
+    """Summary rows written by an earlier run carry its command; resuming stamps it on their samples, and the new
+    summaries list it in `earlier_commands` (only where such samples are)."""
+    def sample(cache, task, n):
+        return dict(suite="ruler", cache=cache, model="m", tokens=512, mode="agnostic", task=task, sample=n, seed=0,
+                    score=1.0, held=10, seconds=1.0, bytes=10, fp16_bytes=20)
+    earlier = summary_rows([sample("dynamic", "vt", 0), sample("int4", "vt", 0)])
+    path = tmp_path / "rows.json"
+    path.write_text(json.dumps([{**r, "command": "hf-kvcache compare OLD"} for r in earlier]))
+    log = SampleLog(str(path), resume=True)
+    assert {s["command"] for s in log.rows} == {"hf-kvcache compare OLD"}
+    rows = summary_rows(log.rows + [sample("int8", "vt", 0), sample("int4", "vt", 1)])
+    by = {(r["cache"], r["task"]): r for r in rows}
+    assert by["dynamic", "vt"]["earlier_commands"] == ["hf-kvcache compare OLD"]
+    assert by["int4", "average"]["earlier_commands"] == ["hf-kvcache compare OLD"]  # one old sample, one new
+    assert "earlier_commands" not in by["int8", "vt"]
