@@ -135,7 +135,8 @@ def run_and_report(opts: SuiteOptions, png_path: str | None = None, title: str |
     rows = run_suite(opts)
     print(headline(opts, rows))
     print(format_rows(rows))
-    write_json(opts.json, [{**r, "command": command} for r in rows] if command else rows)
+    # a row read back from the file (a resumed or rerun suite) keeps the command that measured it
+    write_json(opts.json, [{**r, "command": r.get("command") or command} for r in rows] if command else rows)
     if png_path:
         window = f"{opts.text} tokens {opts.start}:{opts.start + rows[0]['tokens']}" if rows else opts.text
         plot(points_of(rows, opts.json or "compare"), title or f"{opts.model}, {window}", png_path)

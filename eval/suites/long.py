@@ -6,7 +6,8 @@ loop; `unserved`, that loop with nothing reported to the cache: `bench.LOOPS`); 
 same stream's first tokens. Rows: the long-context rows (`perplexity`, `ratio`, `bytes`, `chunk_nll` per 64
 positions, `loop`, `start`, `chunk`) with `delta_pct` against the `dynamic` row of the same tokens and its 95 % paired
 block-bootstrap interval (`low_pct`, `high_pct`). With `--json` each row is written as soon as it is measured, and a
-rerun with the same file measures only the rows it lacks.
+rerun with the same file measures only the rows it lacks and keeps every row the file held (each with the command
+that measured it).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ OPTIONS = LongOptions
 
 
 def run(opts: LongOptions) -> list[Row]:
-    """The rows of this model's window, `dynamic` first (it runs first when listed)."""
+    """The rows of this model's window, `dynamic` first (it runs first when listed), then every other row the
+    `--json` file holds (other caches, loops, windows), so that writing the rows back loses none of them."""
     specs = parse_specs(opts.caches or DEFAULT_CACHES)
     if BASELINE not in [s.label for s in specs]:
         raise ValueError(f"--suite long compares against {BASELINE!r}: add it to --caches")
@@ -43,9 +45,11 @@ def run(opts: LongOptions) -> list[Row]:
                      NLL_BLOCK, [opts.loop])
     rows = run_streams(specs, window, opts.json)
     wanted = {(s.label, opts.loop if is_ours(s) else "plain") for s in specs}  # the loops `run_streams` ran them in
-    mine = [r for r in rows if (r["model"], r["start"], r["text"]) == (opts.model, opts.start, opts.text)
-            and r["tokens"] in window.lengths and (r["cache"], r["loop"]) in wanted]
-    return sorted(compare_to_baseline(mine), key=lambda r: (r["tokens"], r["cache"] != BASELINE))
+    rows = compare_to_baseline(rows)
+    asked = [(r["model"], r["start"], r["text"]) == (opts.model, opts.start, opts.text)
+             and r["tokens"] in window.lengths and (r["cache"], r["loop"]) in wanted for r in rows]
+    mine = [r for r, a in zip(rows, asked) if a]
+    return sorted(mine, key=lambda r: (r["tokens"], r["cache"] != BASELINE)) + [r for r, a in zip(rows, asked) if not a]
 
 
 def table_rows(rows: list[Row]) -> list[Row]:

@@ -119,6 +119,10 @@ def test_long_suite_one_stream_per_cache_rows_as_they_come_and_a_rerun_measures_
     capsys.readouterr()
     assert main(argv) == 0  # every row is in the file: nothing is streamed again
     assert " .. " not in capsys.readouterr().out and json.loads(path.read_text()) == rows
+    # a rerun asking for fewer caches measures nothing and keeps the rows it did not ask for, commands and all
+    assert main(argv[:-3] + ["--json", str(path)]) == 0
+    assert " .. " not in capsys.readouterr().out
+    assert sorted(map(json.dumps, json.loads(path.read_text()))) == sorted(map(json.dumps, rows))
     assert main(["compare", "--from-json", str(path)]) == 0
     assert "tiered_long" in capsys.readouterr().out
 
