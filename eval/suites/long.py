@@ -45,11 +45,13 @@ def run(opts: LongOptions) -> list[Row]:
                      NLL_BLOCK, [opts.loop])
     rows = run_streams(specs, window, opts.json)
     wanted = {(s.label, opts.loop if is_ours(s) else "plain") for s in specs}  # the loops `run_streams` ran them in
-    rows = compare_to_baseline(rows)
-    asked = [(r["model"], r["start"], r["text"]) == (opts.model, opts.start, opts.text)
-             and r["tokens"] in window.lengths and (r["cache"], r["loop"]) in wanted for r in rows]
-    mine = [r for r, a in zip(rows, asked) if a]
-    return sorted(mine, key=lambda r: (r["tokens"], r["cache"] != BASELINE)) + [r for r, a in zip(rows, asked) if not a]
+    def asked(r: Row) -> bool:
+        return ((r["model"], r["start"], r["text"]) == (opts.model, opts.start, opts.text)
+                and r["tokens"] in window.lengths and (r["cache"], r["loop"]) in wanted)
+
+    mine = sorted(compare_to_baseline([r for r in rows if asked(r)]),
+                  key=lambda r: (r["tokens"], r["cache"] != BASELINE))
+    return mine + [r for r in rows if not asked(r)]  # the file's other rows as they were written
 
 
 def table_rows(rows: list[Row]) -> list[Row]:

@@ -18,18 +18,19 @@ prefill again first. A sample's score is the fraction of its expected
 strings found in the answer (`ruler_tasks.score`). The loop runs sample by sample (every task's sample 0, then 1, ...)
 and every cache on each, so a run cut off at any point leaves paired results.
 
-Rows: with `--json`, one row per (sample, cache) is written as soon as it is measured (`score`, `answer`,
-`expected`, `depths`, `held`, `bytes`, `fp16_bytes`, `replayed`, `seconds`, `answer_nll`: the mean nll in nats a
-token of the right answer `RulerSample.gold_text`, teacher-forced on a copy of the cache as the answer starts,
-`passkey.gold_nll`: a graded score where the string match is all or nothing); `--resume` keeps those already in the
-file and runs the others (a summary row whose samples came from the file names the invocations that measured them in
-`earlier_commands`; its `command` is the resumed run's). The suite returns (and `compare` prints, then writes over the file) one summary row per (tokens, mode,
-cache, task) and per "average" over the tasks: `accuracy` (mean score), `samples`, `delta_pts` (points vs the full
-cache on the same samples) with `low_pts` / `high_pts` (its 95 % paired bootstrap interval, `paired.paired_difference`;
-the average's resamples within each task), `ratio` (the full cache's fp16 bytes / this cache's bytes when the answer
-starts), `held` and `results` (the sample rows); where every sample has it, `nll` (the mean `answer_nll`, each task
-weighing the same) and `delta_nll` with `low_nll` / `high_nll` (its paired interval against the full cache, positive:
-the right answer is less likely with this cache). `summary_rows` turns sample rows (a cut-off file) into these rows.
+Rows: with `--json`, one row per (sample, cache) is written as soon as it is measured (`score`, `answer`, `expected`,
+`depths`, `held`, `bytes`, `fp16_bytes`, `replayed`, `seconds`, `answer_nll`: the mean nll in nats a token of the right
+answer `RulerSample.gold_text`, teacher-forced on a copy of the cache as the answer starts, `passkey.gold_nll`: a graded
+score where the string match is all or nothing); `--resume` keeps those already in the file and runs the others (a
+summary row whose samples came from the file names the invocations that measured them in `earlier_commands`; its
+`command` is the resumed run's). The suite returns (and `compare` prints, then writes over the file) one summary row per
+(tokens, mode, cache, task) and per "average" over the tasks: `accuracy` (mean score), `samples`, `delta_pts` (points vs
+the full cache on the same samples) with `low_pts` / `high_pts` (its 95 % paired bootstrap interval,
+`paired.paired_difference`; the average's resamples within each task), `ratio` (the full cache's fp16 bytes / this
+cache's bytes when the answer starts), `held` and `results` (the sample rows); where every sample has it, `nll` (the
+mean `answer_nll`, each task weighing the same) and `delta_nll` with `low_nll` / `high_nll` (its paired interval against
+the full cache, positive: the right answer is less likely with this cache). `summary_rows` turns sample rows (a cut-off
+file) into these rows.
 """
 
 from __future__ import annotations
