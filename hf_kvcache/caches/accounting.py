@@ -10,6 +10,7 @@ import torch
 from transformers import cache_utils
 
 FP16_BYTES = 2
+SCALE_ZERO_BYTES = 4  # one fp16 scale and one fp16 zero per quantization group
 # before transformers 5.21 its quantized layers' base is QuantizedLayer
 BaseQuantizedLayer = getattr(cache_utils, "BaseQuantizedLayer", None) or cache_utils.QuantizedLayer
 

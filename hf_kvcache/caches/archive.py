@@ -8,7 +8,8 @@ A format turns full-precision keys/values of positions `start..` into a `QuantTi
 * `fit(keys, values)` (prepared, the first positions archived): the fitted state (KVQuant's codebooks, the subspace
   PCA bases), kept for later sequences; `fitted` says whether it is there;
 * `encode(keys, values)` (prepared) -> `QuantTier`; `decode(q, start, rotated)` -> float32 keys/values;
-* `adopt(q)`: take the fitted state back from a tier the codec restored.
+* `adopt(q)`: take the fitted state back from a tier the codec restored;
+* `costs()`: the bytes its codes hold per position and once per layer, once fitted (the memory target's sizing).
 
 The fitted tensors live inside the codes (`NUQQuantized.codebook`, `SubspaceRows.basis`), so a tier's `tensors()`
 counts them (once per layer: every block shares the same objects). Which format a stored tier is in follows from its
@@ -17,14 +18,17 @@ type (`format_of`); the adaptive archive keeps consecutive segments of different
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from ..quant.kivi import dequantize_kivi, quantize_kivi
 from ..quant.kvquant import dequantize_nuq, fit_codebook, quantize_nuq
+from ..quant.packing import packed_length
 from ..quant.subspace import (SubspaceBasis, allocate_bits, dequantize_subspace_rows, fit_subspace,
                               quantize_subspace_rows)
+from .accounting import FP16_BYTES, SCALE_ZERO_BYTES
 from .tiers import QuantTier, TierSpec, format_of
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -33,7 +37,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 ARCHIVE_FORMATS = ("kivi", "kvquant", "subspace")
-__all__ = ["ARCHIVE_FORMATS", "ArchiveFormat", "FORMAT_CLASSES", "KIVIFormat", "KVQuantFormat", "SubspaceFormat",
+__all__ = ["ARCHIVE_FORMATS", "ArchiveCosts", "ArchiveFormat", "FORMAT_CLASSES", "KIVIFormat", "KVQuantFormat", "SubspaceFormat",
            "format_of"]
 
 
@@ -50,6 +54,15 @@ class FormatHost(Protocol):
     def clips(self, tensor: str) -> bool: ...
 
     def quant_args(self, tier: "str | TierSpec") -> tuple[dict, dict]: ...
+
+
+@dataclass(frozen=True)
+class ArchiveCosts:
+    """Bytes a fitted archive format holds: `position` per position and KV head (keys and values together, scales
+    included), `fixed` once per layer whatever its length (the fitted state: bases, codebooks)."""
+
+    position: float
+    fixed: int
 
 
 class ArchiveFormat:
@@ -91,6 +104,10 @@ class ArchiveFormat:
     def moves(self, warm_spec: Any) -> bool:
         """Whether warm-tier codes can move into this format unchanged (no re-quantization)."""
         return False
+
+    def costs(self) -> ArchiveCosts | None:
+        """What this format's codes hold, once fitted (None: the budget's KIVI estimate from the spec applies)."""
+        return None
 
     def _whole_groups(self, x: torch.Tensor) -> torch.Tensor:
         g = self.layer.plan.archive_group
@@ -187,10 +204,11 @@ class SubspaceFormat(_PreRoPEFormat):
     keys per direction over archive groups of tokens (axis "channel"; pre-RoPE unless `subspace_prerope=False`),
     values with per-token scales per subspace of `value_group_size or group_size` directions (axis "token").
 
-    Widths: with `subspace_allocation` the `archive_bits` x rank code bits of a token are spread over subspaces
-    (keys: of `KEY_SUBSPACE` directions) by reverse water-filling on the fitted variances (`allocate_bits`): leading
-    directions get more bits, trailing ones may get none and are dropped; else every direction gets `archive_bits`.
-    `archive_rank` keeps only the leading directions (and the budget shrinks with them)."""
+    Widths: with `subspace_allocation` the width x rank code bits of a token (keys: `archive_key_bits` if set, else
+    `archive_bits`; values: `archive_bits`) are spread over subspaces (keys: of `KEY_SUBSPACE` directions) by reverse
+    water-filling on the fitted variances (`allocate_bits`): leading directions get more bits, trailing ones may get
+    none and are dropped; else every direction gets the width. `archive_rank` keeps only the leading directions (and
+    the budget shrinks with them)."""
 
     name = "subspace"
     KEY_SUBSPACE = 8  # directions per key subspace: the allocation's granularity (keys have per-direction scales)
@@ -208,15 +226,16 @@ class SubspaceFormat(_PreRoPEFormat):
     def fit(self, keys, values):
         p = self.layer.plan
         bases, widths = [], []
-        for x, group, axis in ((keys, self.KEY_SUBSPACE, "channel"), (values, p.value_group_size or p.group_size, "token")):
+        for x, group, axis, width in ((keys, self.KEY_SUBSPACE, "channel", self.spec.kbits),
+                                      (values, p.value_group_size or p.group_size, "token", self.bits)):
             b = fit_subspace(self._whole_groups(x), p.archive_rank)
             group = min(group, b.rank)
             if p.subspace_allocation:
-                bits = allocate_bits(b, self.bits * b.rank, group, axis)
+                bits = allocate_bits(b, width * b.rank, group, axis)
                 rank = sum(min(group, b.rank - i * group) for i, w in enumerate(bits) if w)
                 bits = bits[: -(-rank // group)]
             else:
-                bits, rank = self.bits, b.rank
+                bits, rank = width, b.rank
             b = SubspaceBasis(b.mean, b.basis[:, :, :rank].contiguous(), b.sigma[:, :rank].contiguous(),
                               b.explained[:, :0].clone())  # explained: fit-time information, not held
             bases.append(b)
@@ -228,11 +247,24 @@ class SubspaceFormat(_PreRoPEFormat):
         (bk, bv), ((wk, gk), (wv, gv)) = self.bases, self.widths
         qk = quantize_subspace_rows(keys, bk, wk, gk, axis="channel", token_group=g)
         qv = quantize_subspace_rows(values, bv, wv, gv, axis="token", token_group=g)
-        qk.nominal_bits = qv.nominal_bits = self.bits
+        qk.nominal_bits, qv.nominal_bits = self.spec.kbits, self.bits
         return QuantTier(qk, qv)
 
     def decode(self, q, start, rotated=False):
         return self._keys_back(dequantize_subspace_rows(q.keys), start), dequantize_subspace_rows(q.values)
+
+    def costs(self):
+        if self.bases is None:
+            return None
+        g = self.layer.plan.archive_group
+        position = 0.0
+        for basis, (bits, group), channel in zip(self.bases, self.widths, (True, False)):
+            widths = (bits,) * -(-basis.rank // group) if isinstance(bits, int) else bits
+            sizes = [min(group, basis.rank - i * group) for i in range(len(widths))]
+            position += sum(packed_length(n, b) for n, b in zip(sizes, widths))
+            # keys: an fp16 scale and zero per direction and archive group; values: an fp16 scale per subspace
+            position += SCALE_ZERO_BYTES * basis.rank / g if channel else FP16_BYTES * len(widths)
+        return ArchiveCosts(position, sum(b.nbytes for b in self.bases))
 
     def adopt(self, q):
         self.bases = (q.keys.basis, q.values.basis)

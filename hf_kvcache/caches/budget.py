@@ -16,12 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..quant.packing import packed_length
-from .accounting import FP16_BYTES, held_bytes
+from .accounting import FP16_BYTES, SCALE_ZERO_BYTES, held_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tiered import TieredQuantLayer
-
-SCALE_ZERO_BYTES = 4  # one fp16 scale and one fp16 zero per quantization group
 
 
 @dataclass(frozen=True)
@@ -31,11 +29,14 @@ class PositionCosts:
     exact: float  # tail and sinks
     warm: float
     archive: float
+    fixed: float = 0.0  # the archive format's fitted state (bases), per batch row and KV head, whatever the length
 
 
 def position_costs(layer: "TieredQuantLayer") -> PositionCosts:
-    """The per-position bytes of `layer`'s tiers, from its specs (per-channel key groups: one scale and zero per
-    channel for every `key_group` positions; per-token value groups: one per `value_group` channels)."""
+    """The per-position bytes of `layer`'s tiers: KIVI codes from the specs (per-channel key groups: one scale and
+    zero per channel for every `key_group` positions; per-token value groups: one per `value_group` channels), or
+    what the archive's format says it holds once fitted (`ArchiveFormat.costs`: a subspace archive's allocated
+    widths and bases)."""
     hd, vd = layer.head_dim, layer.value_dim
 
     def kivi(spec) -> float:
@@ -44,7 +45,11 @@ def position_costs(layer: "TieredQuantLayer") -> PositionCosts:
         return keys + values
 
     exact = (hd + vd) * layer.tail_dtype.itemsize
-    return PositionCosts(exact, kivi(layer.specs["warm"]), kivi(layer.specs["arch"]))
+    archive, fixed = kivi(layer.specs["arch"]), 0.0
+    fitted = layer.archive_costs()
+    if fitted is not None:
+        archive, fixed = fitted.position, fitted.fixed / (layer.batch_size() * layer.num_heads)
+    return PositionCosts(exact, kivi(layer.specs["warm"]), archive, fixed)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class RatioBudget:
         tail = p.tail_length + p.group_size - 1  # the most the tail holds between graduations
         if c.warm <= c.archive:
             return seen
-        room = (share - c.exact * (tail + p.sink_length) - c.archive * max(0, seen - tail)) / (c.warm - c.archive)
+        held = c.fixed + c.exact * (tail + p.sink_length) + c.archive * max(0, seen - tail)
+        room = (share - held) / (c.warm - c.archive)
         room -= p.archive_group - p.group_size  # a partly filled archive group waits in the warm tier
         return max(0, int(room) // p.group_size * p.group_size)

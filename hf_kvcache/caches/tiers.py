@@ -106,14 +106,13 @@ def format_of(q: QuantTier) -> tuple[str, int]:
 
 
 def widths(q: QuantTier) -> tuple[int, int]:
-    """(key bits, value bits) of a quantized tier (one width for both, except a KIVI or KVQuant archive with its own
-    key width)."""
+    """(key bits, value bits) of a quantized tier (one width for both unless the archive has its own key width)."""
     _, bits = format_of(q)
     if isinstance(q.values, KIVIQuantized):
         return bits, q.values.bits
     if isinstance(q.values, NUQQuantized):
         return bits, q.values.codebook.bits
-    return bits, bits
+    return bits, q.values.nominal_bits or q.values.bits[0]
 
 
 def same_format(a: QuantTier, b: QuantTier) -> bool:

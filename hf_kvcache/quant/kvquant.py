@@ -318,6 +318,9 @@ class NUQQuantized(TokenRows):
         per = self.group_size if self.codebook.axis == "channel" else 1
         return {"codes": 1, "scale": per, "offset": per, "outlier_idx": 1, "outlier_val": 1}
 
+    def shared(self) -> tuple:
+        return (self.codebook,)
+
     def data_tensors(self) -> list[torch.Tensor]:
         """The per-block tensors (everything but the shared codebook)."""
         return [self.codes, self.scale, self.offset, self.outlier_idx, self.outlier_val]

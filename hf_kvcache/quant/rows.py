@@ -45,11 +45,19 @@ class TokenRows:
             out[f] = getattr(self, f)[..., start // per : -(-stop // per), :]
         return dataclasses.replace(self, **out)
 
+    def shared(self) -> tuple:
+        """The state every block of a layer shares and decodes with (a codebook, a basis): blocks that do not share
+        it cannot be concatenated (the result would decode `other` with `self`'s)."""
+        return ()
+
     def cat(self, other):
-        """`self` followed by `other` (same format; `self` must end on a group boundary)."""
+        """`self` followed by `other` (same format and shared state; `self` must end on a group boundary)."""
         fields = self.row_fields()
         if any(per > 1 and self.tokens % per for per in fields.values()):
             raise ValueError(f"cannot append to {self.tokens} tokens: not a whole number of groups")
+        if any(a is not b for a, b in zip(self.shared(), other.shared(), strict=True)):
+            raise ValueError(f"cannot append {type(other).__name__} blocks coded with another fitted state (codebook or "
+                             "basis) than this one's: quantize them with the same fitted state")
         return dataclasses.replace(self, **{f: torch.cat([getattr(self, f), getattr(other, f)], -2) for f in fields})
 
     def clone(self):

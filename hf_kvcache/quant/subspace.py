@@ -281,6 +281,9 @@ class SubspaceRows(TokenRows):
         per = self.token_group if self.axis == "channel" else 1
         return {"codes": 1, "scale": per, "zero": per}
 
+    def shared(self) -> tuple:
+        return (self.basis,)
+
     def data_tensors(self) -> list[torch.Tensor]:
         return [self.codes, self.scale, self.zero]
 

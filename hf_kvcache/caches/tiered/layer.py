@@ -15,8 +15,9 @@ from ...calibrate import LayerRecipe
 from ...calibrate.quality import QualityTracker
 from ..base import CompressedLayer
 from ..budget import RatioBudget
-from ..archive import FORMAT_CLASSES, ArchiveFormat, KIVIFormat
-from ..tiers import TierSpec, LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format
+from ..archive import FORMAT_CLASSES, ArchiveCosts, ArchiveFormat, KIVIFormat
+from ..tiers import (TierSpec, LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format,
+                     widths)
 from .options import TIERS, CALIBRATION_GROUPS, TieredQuantOptions, KIVIOptions, largest_divisor, needs_rope
 from .calibration import TierCalibration
 
@@ -167,9 +168,8 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
         self.switches = []
         pos, prev = self._tier_starts()["archive"], None
         for q in self._segments(tiers.archive):
-            name, bits = format_of(q)
-            if name != "kivi":  # KIVI codes carry everything they need; the fitted formats take their state back
-                self._archive_format(name, bits).adopt(q)
+            if format_of(q)[0] != "kivi":  # KIVI codes carry everything they need; the fitted formats take it back
+                self._tier_format(q).adopt(q)
             label = format_label(q)
             if prev is not None and prev != label:
                 self.switches.append({"position": pos, "from": prev, "to": label})
@@ -233,13 +233,23 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
             x = torch.where(pads, fill, x)
         return x
 
-    def _archive_format(self, name: str, bits: int) -> ArchiveFormat:
-        """The layer's `name` format at `bits` bits (kept, with its fitted state, while its spec stays the same)."""
+    def _archive_format(self, name: str, bits: int, key_bits: int | None = None) -> ArchiveFormat:
+        """The layer's `name` format at `bits` bits (keys at `key_bits`; None: the archive spec's key width), kept
+        with its fitted state while its spec stays the same."""
         spec = dataclasses.replace(self.specs["arch"], bits=bits)
+        if key_bits is not None and key_bits != spec.kbits:
+            spec = dataclasses.replace(spec, key_bits=key_bits)
         f = self.formats.get(name)
         if f is None or f.spec != spec:
             f = self.formats[name] = FORMAT_CLASSES[name](self, spec)
         return f
+
+    def _tier_format(self, q: QuantTier) -> ArchiveFormat:
+        """The format that reads the archived tier `q` (by its format's name and its key and value widths: a tier
+        whose keys have their own width is read by the format that wrote it, fitted state included)."""
+        name, _ = format_of(q)
+        key_bits, bits = widths(q)
+        return self._archive_format(name, bits, key_bits)
 
     def _format_at(self, start: int) -> ArchiveFormat:
         """The format of the archive group starting at position `start` (adaptive: chosen by that position)."""
@@ -248,6 +258,11 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
             return self._archive_format(p.archive_quantizer, self.specs["arch"].bits)
         i = sum(start >= b for b in p.adaptive_boundaries)
         return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
+
+    def archive_costs(self) -> ArchiveCosts | None:
+        """What the format the next archive group takes holds, once fitted (None: not fitted, or a format the
+        memory target sizes from its spec)."""
+        return self._format_at(self.cumulative_length).costs()
 
     def _format_runs(self, start: int, n: int) -> list[tuple[int, int, ArchiveFormat]]:
         """Positions `start..start+n` (whole archive groups) as runs (offset, length, format) of one format each."""
@@ -295,8 +310,7 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
             return torch.cat([k for k, _ in parts], 2), torch.cat([v for _, v in parts], 2)
         if isinstance(q.keys, KIVIQuantized):
             return self.formats["warm"].decode(q, start, rotated)
-        name, bits = format_of(q)
-        return self._archive_format(name, bits).decode(q, start, rotated)
+        return self._tier_format(q).decode(q, start, rotated)
 
     def _tier_starts(self) -> dict[str, int]:
         a = self.dropped

@@ -70,8 +70,8 @@ class TieredQuantOptions(CacheOptions):
       most fp16 bytes / target_ratio once the context is long enough for it): the newest positions get warm_bits
       as far as that memory goes (None: no memory target)
     - warm_bits / archive_bits: code widths of the two quantized tiers (1..8; 1, 2, 4, 8 unpack by table lookup)
-    - archive_key_bits: the KIVI or KVQuant archive's key width when it differs from its value width (None:
-      archive_bits).
+    - archive_key_bits: the archive's key width when it differs from its value width (None: archive_bits; not
+      with the adaptive archive; the subspace archive spreads it over the key directions as it does archive_bits).
       Keys decide which positions a query reads and carry most of a 2-bit archive's attention error; a third key
       bit costs 1 bit per key element and needs neither a key rotation nor key clipping to pay off (docs/results/
       long_context.md)
@@ -186,10 +186,10 @@ class TieredQuantOptions(CacheOptions):
         check_int("archive_bits", self.archive_bits, 1, 8)
         if self.archive_key_bits is not None:
             check_int("archive_key_bits", self.archive_key_bits, 1, 8)
-            if self.archive_quantizer not in ("kivi", "kvquant"):
-                raise ValueError(f"archive_key_bits={self.archive_key_bits} sets the key width of a KIVI or KVQuant "
-                                 f"archive; archive_quantizer={self.archive_quantizer!r} has one width: use "
-                                 "archive_quantizer='kivi' or 'kvquant', or archive_key_bits=None")
+            if self.archive_quantizer == "adaptive":
+                raise ValueError(f"archive_key_bits={self.archive_key_bits} sets the key width of a KIVI, KVQuant or "
+                                 "subspace archive; the adaptive archive takes one width per format (adaptive_bits): "
+                                 "use archive_quantizer='kivi', 'kvquant' or 'subspace', or archive_key_bits=None")
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
         check_number("archive_outliers", self.archive_outliers, 0.0, 0.5, hi_open=True)
         self._check_archive_formats()
