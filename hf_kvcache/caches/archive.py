@@ -37,8 +37,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 
 ARCHIVE_FORMATS = ("kivi", "kvquant", "subspace")
-__all__ = ["ARCHIVE_FORMATS", "ArchiveCosts", "ArchiveFormat", "FORMAT_CLASSES", "KIVIFormat", "KVQuantFormat", "SubspaceFormat",
-           "format_of"]
+__all__ = ["ARCHIVE_FORMATS", "ArchiveCosts", "ArchiveFormat", "FORMAT_CLASSES", "KIVIFormat", "KVQuantFormat",
+           "SubspaceFormat", "format_of"]
 
 
 class FormatHost(Protocol):

@@ -56,8 +56,8 @@ class TokenRows:
         if any(per > 1 and self.tokens % per for per in fields.values()):
             raise ValueError(f"cannot append to {self.tokens} tokens: not a whole number of groups")
         if any(a is not b for a, b in zip(self.shared(), other.shared(), strict=True)):
-            raise ValueError(f"cannot append {type(other).__name__} blocks coded with another fitted state (codebook or "
-                             "basis) than this one's: quantize them with the same fitted state")
+            raise ValueError(f"cannot append {type(other).__name__} blocks coded with another fitted state (codebook "
+                             "or basis) than this one's: quantize them with the same fitted state")
         return dataclasses.replace(self, **{f: torch.cat([getattr(self, f), getattr(other, f)], -2) for f in fields})
 
     def clone(self):

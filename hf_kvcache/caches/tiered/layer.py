@@ -15,21 +15,22 @@ from ...calibrate import LayerRecipe
 from ...calibrate.quality import QualityTracker
 from ..base import CompressedLayer
 from ..budget import RatioBudget
-from ..archive import FORMAT_CLASSES, ArchiveCosts, ArchiveFormat, KIVIFormat
-from ..tiers import (TierSpec, LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format,
-                     widths)
+from ..archive import ArchiveFormat, KIVIFormat
+from ..tiers import TierSpec, LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format
 from .options import TIERS, CALIBRATION_GROUPS, TieredQuantOptions, KIVIOptions, largest_divisor, needs_rope
 from .calibration import TierCalibration
+from .formats import ArchiveFormatChoice
 
 
-class TieredQuantLayer(TierCalibration, CompressedLayer):
+class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
     """One layer's archive / warm / tail storage plus the sink overlay (see the package docstring).
 
     The tiers are a `tiers.LayerTiers` (`sink`, `archive`, `warm`, `tail`): `PlainTier`s of `[batch, heads, tokens,
     dim]` tensors and `QuantTier`s of packed codes with their fp16 scales and zeros (per-channel key scales are
     `[batch, heads, tokens / group, dim]`: not token-aligned, hence the own `crop`). Reordering and selecting beams
     only index dim 0 of every held tensor, which holds the batch everywhere, so the base class's beam and batch
-    methods serve this layer (checked by the tests). What calibration chooses is in `calibration.TierCalibration`.
+    methods serve this layer (checked by the tests). What calibration chooses is in `calibration.TierCalibration`,
+    which format codes which positions in `formats.ArchiveFormatChoice`.
     """
 
     options: TieredQuantOptions
@@ -175,12 +176,6 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
                 self.switches.append({"position": pos, "from": prev, "to": label})
             pos, prev = pos + q.tokens, label
 
-    @property
-    def codebooks(self) -> tuple | None:
-        """The KVQuant archive's (keys, values) codebooks, once fitted."""
-        f = self.formats.get("kvquant")
-        return None if f is None else f.codebooks
-
     @staticmethod
     def _segments(q) -> list[QuantTier]:
         return [] if q is None else q.segments()
@@ -232,48 +227,6 @@ class TieredQuantLayer(TierCalibration, CompressedLayer):
             pads = (torch.arange(start, start + n, device=x.device).view(1, 1, n, 1) < padding.to(x.device).view(-1, 1, 1, 1))
             x = torch.where(pads, fill, x)
         return x
-
-    def _archive_format(self, name: str, bits: int, key_bits: int | None = None) -> ArchiveFormat:
-        """The layer's `name` format at `bits` bits (keys at `key_bits`; None: the archive spec's key width), kept
-        with its fitted state while its spec stays the same."""
-        spec = dataclasses.replace(self.specs["arch"], bits=bits)
-        if key_bits is not None and key_bits != spec.kbits:
-            spec = dataclasses.replace(spec, key_bits=key_bits)
-        f = self.formats.get(name)
-        if f is None or f.spec != spec:
-            f = self.formats[name] = FORMAT_CLASSES[name](self, spec)
-        return f
-
-    def _tier_format(self, q: QuantTier) -> ArchiveFormat:
-        """The format that reads the archived tier `q` (by its format's name and its key and value widths: a tier
-        whose keys have their own width is read by the format that wrote it, fitted state included)."""
-        name, _ = format_of(q)
-        key_bits, bits = widths(q)
-        return self._archive_format(name, bits, key_bits)
-
-    def _format_at(self, start: int) -> ArchiveFormat:
-        """The format of the archive group starting at position `start` (adaptive: chosen by that position)."""
-        p = self.plan
-        if p.archive_quantizer != "adaptive":
-            return self._archive_format(p.archive_quantizer, self.specs["arch"].bits)
-        i = sum(start >= b for b in p.adaptive_boundaries)
-        return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
-
-    def archive_costs(self) -> ArchiveCosts | None:
-        """What the format the next archive group takes holds, once fitted (None: not fitted, or a format the
-        memory target sizes from its spec)."""
-        return self._format_at(self.cumulative_length).costs()
-
-    def _format_runs(self, start: int, n: int) -> list[tuple[int, int, ArchiveFormat]]:
-        """Positions `start..start+n` (whole archive groups) as runs (offset, length, format) of one format each."""
-        g, runs = self.plan.archive_group, []
-        for off in range(0, n, g):
-            f = self._format_at(start + off)
-            if runs and runs[-1][2] is f:
-                runs[-1] = (runs[-1][0], runs[-1][1] + min(g, n - off), f)
-            else:
-                runs.append((off, min(g, n - off), f))
-        return runs
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor, tier: str, start: int = 0, rotated: bool = False,
                   track: bool = False) -> QuantTier:

@@ -1,0 +1,63 @@
+"""Which archive format codes which positions of a tiered layer (`ArchiveFormatChoice`, a mixin of
+`TieredQuantLayer`): the formats kept with their fitted state, the one a position or a stored tier takes, and what the
+next archive group will cost (the memory target's sizing)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ..archive import FORMAT_CLASSES, ArchiveCosts, ArchiveFormat
+from ..tiers import QuantTier, format_of, widths
+
+
+class ArchiveFormatChoice:
+    """The format half of `TieredQuantLayer` (see `layer.TieredQuantLayer`): methods only; the formats live in the
+    layer's `formats` (by name; "warm": the warm tier's KIVI codes)."""
+
+    @property
+    def codebooks(self) -> tuple | None:
+        """The KVQuant archive's (keys, values) codebooks, once fitted."""
+        f = self.formats.get("kvquant")
+        return None if f is None else f.codebooks
+
+    def _archive_format(self, name: str, bits: int, key_bits: int | None = None) -> ArchiveFormat:
+        """The layer's `name` format at `bits` bits (keys at `key_bits`; None: the archive spec's key width), kept
+        with its fitted state while its spec stays the same."""
+        spec = dataclasses.replace(self.specs["arch"], bits=bits)
+        if key_bits is not None and key_bits != spec.kbits:
+            spec = dataclasses.replace(spec, key_bits=key_bits)
+        f = self.formats.get(name)
+        if f is None or f.spec != spec:
+            f = self.formats[name] = FORMAT_CLASSES[name](self, spec)
+        return f
+
+    def _tier_format(self, q: QuantTier) -> ArchiveFormat:
+        """The format that reads the archived tier `q` (by its format's name and its key and value widths: a tier
+        whose keys have their own width is read by the format that wrote it, fitted state included)."""
+        name, _ = format_of(q)
+        key_bits, bits = widths(q)
+        return self._archive_format(name, bits, key_bits)
+
+    def _format_at(self, start: int) -> ArchiveFormat:
+        """The format of the archive group starting at position `start` (adaptive: chosen by that position)."""
+        p = self.plan
+        if p.archive_quantizer != "adaptive":
+            return self._archive_format(p.archive_quantizer, self.specs["arch"].bits)
+        i = sum(start >= b for b in p.adaptive_boundaries)
+        return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
+
+    def archive_costs(self) -> ArchiveCosts | None:
+        """What the format the next archive group takes holds, once fitted (None: not fitted, or a format the
+        memory target sizes from its spec)."""
+        return self._format_at(self.cumulative_length).costs()
+
+    def _format_runs(self, start: int, n: int) -> list[tuple[int, int, ArchiveFormat]]:
+        """Positions `start..start+n` (whole archive groups) as runs (offset, length, format) of one format each."""
+        g, runs = self.plan.archive_group, []
+        for off in range(0, n, g):
+            f = self._format_at(start + off)
+            if runs and runs[-1][2] is f:
+                runs[-1] = (runs[-1][0], runs[-1][1] + min(g, n - off), f)
+            else:
+                runs.append((off, min(g, n - off), f))
+        return runs
