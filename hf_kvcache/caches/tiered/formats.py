@@ -46,6 +46,12 @@ class ArchiveFormatChoice:
         i = sum(start >= b for b in p.adaptive_boundaries)
         return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
 
+    def _waits_to_fit(self) -> bool:
+        """Whether the next archive group's format still needs fitting and the warm tier holds fewer positions than
+        `archive_fit_positions` to fit it on (the group then waits in the warm tier)."""
+        start = self._tier_starts()["archive"] + self.tiers.tokens("archive")
+        return not self._format_at(start).fitted and self.tiers.tokens("warm") < self.plan.archive_fit_positions
+
     def archive_costs(self) -> ArchiveCosts | None:
         """What the format the next archive group takes holds, once fitted (None: not fitted, or a format the
         memory target sizes from its spec)."""

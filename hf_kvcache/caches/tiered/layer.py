@@ -314,7 +314,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         t.warm = q if t.warm is None else t.warm.cat(q)
         ga = p.archive_group
         excess = t.warm.tokens - self._warm_target()
-        if excess < ga:
+        if excess < ga or self._waits_to_fit():
             return
         m = excess // ga * ga
         old, t.warm = t.warm.slice(0, m), t.warm.slice(m)

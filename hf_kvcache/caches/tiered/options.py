@@ -93,6 +93,10 @@ class TieredQuantOptions(CacheOptions):
       `adaptive_formats[i]` at `adaptive_bits[i]` bits from `adaptive_boundaries[i - 1]` on (by default KIVI-2 below
       2048 positions, subspace-2 up to 8192, KVQuant-3 beyond); groups archived before a switch keep their format
       (the archive is then a `SegmentedTier`); every switch is listed in `memory_stats()["archive_switches"]`
+    - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
+      this many positions and is fitted on all of them (they stay at warm_bits until then; 0: fitted on the first
+      archive group and the warm tier after it). A basis or codebook fitted once on a few hundred positions of a
+      stream serves the whole stream.
     - archive_rank: subspace archive only: keep the leading `archive_rank` directions of each basis (1..head_dim;
       None: all): fewer codes for extreme ratios, the dropped directions read back as their mean
     - subspace_allocation: subspace archive: spread the archive_bits x rank code bits of a token over subspaces of
@@ -160,6 +164,7 @@ class TieredQuantOptions(CacheOptions):
     archive_quantizer: str = "kivi"
     archive_outliers: float = 0.01
     archive_rank: int | None = None
+    archive_fit_positions: int = 0
     subspace_prerope: bool = True
     subspace_allocation: bool = True
     adaptive_boundaries: list = dataclasses.field(default_factory=lambda: [2048, 8192])
@@ -192,6 +197,7 @@ class TieredQuantOptions(CacheOptions):
                                  "use archive_quantizer='kivi', 'kvquant' or 'subspace', or archive_key_bits=None")
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
         check_number("archive_outliers", self.archive_outliers, 0.0, 0.5, hi_open=True)
+        check_int("archive_fit_positions", self.archive_fit_positions, lo=0)
         self._check_archive_formats()
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)

@@ -97,6 +97,29 @@ def test_a_fitted_archive_with_its_own_key_width_is_fitted_once(quantizer, monke
     assert arch.keys.shared()[0] is fitted[0] and arch.values.shared()[0] is fitted[1]
 
 
+@pytest.mark.parametrize("quantizer", ["kvquant", "subspace"])
+def test_a_fitted_archive_waits_for_archive_fit_positions(quantizer, monkeypatch):
+    """With archive_fit_positions the warm tier keeps every position until it holds that many, and the format is
+    fitted once, on all of them; without it, on the first archive group and the warm tier after it."""
+    sizes = []
+    cls = FORMAT_CLASSES[quantizer]
+    fit = cls.fit
+    monkeypatch.setattr(cls, "fit", lambda self, k, v: (sizes.append(k.shape[2]), fit(self, k, v))[1])
+    for wait in (0, 256):
+        sizes.clear()
+        cache = TieredQuantCache(config=llama_config(), **SMALL, archive_quantizer=quantizer,
+                                 archive_fit_positions=wait)
+        archived = []
+        for _ in range(12):
+            stream_random(cache, [32], B, H, 64, LAYERS)
+            archived.append(cache.layers[0].tiers.tokens("archive"))
+        assert len(sizes) == LAYERS and archived[-1] > 0
+        if wait:
+            assert sizes[0] >= wait and archived[:7] == [0] * 7  # 224 positions seen: none archived yet
+        else:
+            assert sizes[0] < 64 and archived[2] > 0
+
+
 def test_blocks_of_another_fitted_state_do_not_concatenate():
     x = torch.randn(1, H, 32, 64, generator=torch.Generator().manual_seed(0))
     a, b = (fit_codebook(x, 2, "token", None, 0.0) for _ in range(2))
@@ -134,6 +157,7 @@ def test_subspace_archive_keys_take_their_own_width_and_the_target_counts_its_ba
     (dict(archive_key_bits=9), "archive_key_bits"),
     (dict(archive_key_bits=3, archive_quantizer="adaptive"), "the adaptive archive takes one width per format"),
     (dict(target_ratio=1.0), "target_ratio"),
+    (dict(archive_fit_positions=-1), "archive_fit_positions"),
 ])
 def test_bad_long_context_options_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):
