@@ -46,16 +46,19 @@ class ArchiveFormatChoice:
         i = sum(start >= b for b in p.adaptive_boundaries)
         return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
 
+    def _next_archive_format(self) -> ArchiveFormat:
+        """The format of the next archive group (the one that starts where the archive ends)."""
+        return self._format_at(self._tier_starts()["archive"] + self.tiers.tokens("archive"))
+
     def _waits_to_fit(self) -> bool:
         """Whether the next archive group's format still needs fitting and the warm tier holds fewer positions than
         `archive_fit_positions` to fit it on (the group then waits in the warm tier)."""
-        start = self._tier_starts()["archive"] + self.tiers.tokens("archive")
-        return not self._format_at(start).fitted and self.tiers.tokens("warm") < self.plan.archive_fit_positions
+        return not self._next_archive_format().fitted and self.tiers.tokens("warm") < self.plan.archive_fit_positions
 
     def archive_costs(self) -> ArchiveCosts | None:
-        """What the format the next archive group takes holds, once fitted (None: not fitted, or a format the
-        memory target sizes from its spec)."""
-        return self._format_at(self.cumulative_length).costs()
+        """What the next archive group's format holds, once fitted (None: not fitted, or a format the memory target
+        sizes from its spec)."""
+        return self._next_archive_format().costs()
 
     def _format_runs(self, start: int, n: int) -> list[tuple[int, int, ArchiveFormat]]:
         """Positions `start..start+n` (whole archive groups) as runs (offset, length, format) of one format each."""
