@@ -27,7 +27,7 @@ from ..quant.kivi import dequantize_kivi, quantize_kivi
 from ..quant.kvquant import dequantize_nuq, fit_codebook, quantize_nuq
 from ..quant.packing import packed_length
 from ..quant.subspace import (SubspaceBasis, allocate_bits, dequantize_subspace_rows, fit_subspace,
-                              quantize_subspace_rows)
+                              quantize_subspace_rows, subspace_plan)
 from .accounting import FP16_BYTES, SCALE_ZERO_BYTES
 from .tiers import QuantTier, TierSpec, format_of
 
@@ -259,9 +259,8 @@ class SubspaceFormat(_PreRoPEFormat):
         g = self.layer.plan.archive_group
         position = 0.0
         for basis, (bits, group), channel in zip(self.bases, self.widths, (True, False)):
-            widths = (bits,) * -(-basis.rank // group) if isinstance(bits, int) else bits
-            sizes = [min(group, basis.rank - i * group) for i in range(len(widths))]
-            position += sum(packed_length(n, b) for n, b in zip(sizes, widths))
+            bounds, widths = subspace_plan(basis.rank, group, bits)
+            position += sum(packed_length(e - s, b) for (s, e), b in zip(bounds, widths))
             # keys: an fp16 scale and zero per direction and archive group; values: an fp16 scale per subspace
             position += SCALE_ZERO_BYTES * basis.rank / g if channel else FP16_BYTES * len(widths)
         return ArchiveCosts(position, sum(b.nbytes for b in self.bases))

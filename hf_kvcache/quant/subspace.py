@@ -167,7 +167,10 @@ class SubspaceQuantized:
         return sum(t.nbytes for t in self.tensors())
 
 
-def _plan(rank: int, group_size: int, bits: int | Sequence[int]) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+def subspace_plan(rank: int, group_size: int, bits: int | Sequence[int]
+                  ) -> tuple[tuple[tuple[int, int], ...], tuple[int, ...]]:
+    """The subspaces of `rank` directions in groups of `group_size`: their (start, stop) bounds and bits each (`bits`:
+    one width for all, or one per subspace, checked)."""
     if not isinstance(group_size, int) or group_size <= 0:
         raise ValueError(f"group_size (directions per subspace) must be a positive integer, got {group_size!r}")
     bounds = tuple((s, min(s + group_size, rank)) for s in range(0, rank, group_size))
@@ -212,7 +215,7 @@ def quantize_subspace(
     rank = basis.rank if rank is None else rank
     if not isinstance(rank, int) or not 1 <= rank <= basis.rank:
         raise ValueError(f"rank must be an integer in 1..{basis.rank} (the basis rank), got {rank!r}")
-    bounds, bl = _plan(rank, group_size, bits)
+    bounds, bl = subspace_plan(rank, group_size, bits)
     v = basis.basis[:, :, :rank].float()  # [H, D, r]
     z = ((x.float() - basis.mean.float()[None, :, None]) @ v[None]) / basis.sigma[:, :rank].float()[None, :, None]
     codes, scales, zeros = [], [], []
@@ -388,4 +391,5 @@ __all__ = [
     "gaussian_step",
     "gaussian_step_numeric",
     "quantize_subspace",
+    "subspace_plan",
 ]
