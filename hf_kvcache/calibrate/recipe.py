@@ -17,12 +17,16 @@ import torch
 
 ROTATION_CANDIDATES = ("none", "keys", "values", "both")
 SOURCES = ("queries", "no-queries", "given", "static")
+ARCHIVE_FORMAT_NAMES = ("kivi", "kvquant", "subspace")  # `caches.archive.ARCHIVE_FORMATS` (checked by the tests)
 ROTATION_MARGIN = 0.1
 # clip_on="auto": clipping a layer's keys must lower its calibration attention error by this much. Gemma-3-270M's
 # full layers showed 13-15 % leads (0.207 -> 0.180, 0.171 -> 0.152) yet lost perplexity (+0.98 % -> +4.52 % at 2048
 # tokens): the extreme key entries a clip cuts are the ones later queries look up, which a few hundred calibration
 # positions do not show; on Qwen2.5 the leads are 5-33 %, most above 20 %
 KEY_CLIP_MARGIN = 0.2
+# archive_candidates: a format other than archive_quantizer must lower the layer's calibration attention error by this
+# much (relative) to be taken; fixed a priori at the rotation's margin, for the same reason
+ARCHIVE_FORMAT_MARGIN = 0.1
 
 
 @dataclass
@@ -38,6 +42,7 @@ class LayerRecipe:
     source: str = "given"
     archive_bits: int | None = None
     clip_keys: bool | None = None
+    archive_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.rotation not in ROTATION_CANDIDATES:
@@ -51,10 +56,13 @@ class LayerRecipe:
                              "options' archive_bits)")
         if self.clip_keys is not None and not isinstance(self.clip_keys, bool):
             raise ValueError(f"clip_keys={self.clip_keys!r} is not valid; give true, false or None (as clip_on says)")
+        if self.archive_format is not None and self.archive_format not in ARCHIVE_FORMAT_NAMES:
+            raise ValueError(f"archive_format={self.archive_format!r} is not valid; choose one of "
+                             f"{list(ARCHIVE_FORMAT_NAMES)}, or None (the options' archive_quantizer)")
 
     def to_dict(self) -> dict:
         d = {"rotation": self.rotation, "errors": dict(self.errors), "source": self.source}
-        for name in ("archive_bits", "clip_keys"):
+        for name in ("archive_bits", "clip_keys", "archive_format"):
             if getattr(self, name) is not None:
                 d[name] = getattr(self, name)
         return d
@@ -63,10 +71,10 @@ class LayerRecipe:
     def from_dict(cls, d: dict | str) -> "LayerRecipe":
         if isinstance(d, str):
             return cls(rotation=d)
-        unknown = sorted(set(d) - {"rotation", "errors", "source", "archive_bits", "clip_keys"})
+        unknown = sorted(set(d) - {"rotation", "errors", "source", "archive_bits", "clip_keys", "archive_format"})
         if unknown:
             raise ValueError(f"unknown recipe field(s) {unknown}; a recipe has rotation, errors, source, archive_bits, "
-                             "clip_keys")
+                             "clip_keys, archive_format")
         return cls(**d)
 
 
@@ -160,3 +168,25 @@ def choose_key_clipping(
     errors = {clip: mean_error(exact, queries, scaling, roundtrips(clip)) for clip in (False, True)}
     return errors[True] < (1.0 - margin) * errors[False], {"keys-unclipped": errors[False],
                                                           "keys-clipped": errors[True]}
+
+
+def choose_archive_format(
+    queries: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    scaling: float,
+    roundtrip: Callable[[str], tuple[torch.Tensor, torch.Tensor]],
+    default: str,
+    candidates: tuple[str, ...],
+    margin: float = ARCHIVE_FORMAT_MARGIN,
+) -> tuple[str, dict[str, float]]:
+    """The archive format among `default` and `candidates` whose round trip (`roundtrip(name) -> (keys', values')`,
+    `[B, Hkv, T, D]`) gives `queries` the smallest attention error, with every format's error (`{"format-<name>":
+    error}`). Another format than `default` must beat it by `margin` (relative)."""
+    exact = attend(queries, keys, values, scaling)
+    names = (default, *(c for c in candidates if c != default))
+    errors = {name: mean_error(exact, queries, scaling, [roundtrip(name)]) for name in names}
+    best = min(names, key=lambda n: (round(errors[n], 6), names.index(n)))
+    if best != default and errors[best] > (1.0 - margin) * errors[default]:
+        best = default
+    return best, {f"format-{n}": e for n, e in errors.items()}

@@ -8,6 +8,10 @@ import torch
 import hf_kvcache
 from hf_kvcache import TieredQuantCache
 from hf_kvcache.calibrate import LayerRecipe, attention_error, choose_recipe
+from hf_kvcache.calibrate.recipe import ARCHIVE_FORMAT_NAMES, choose_archive_format
+from hf_kvcache.caches.archive import ARCHIVE_FORMATS
+from hf_kvcache.quant.kivi import KIVIQuantized
+from hf_kvcache.quant.subspace import SubspaceRows
 from hf_kvcache.eval import load_tokens
 
 
@@ -51,6 +55,63 @@ def test_recipe_json_and_errors():
         LayerRecipe("none", archive_bits=9)
     with pytest.raises(ValueError, match="one entry per model layer"):
         TieredQuantCache(recipes="none")
+    chosen = LayerRecipe("none", {"format-kivi": 0.2, "format-subspace": 0.1}, "queries", archive_format="subspace")
+    assert LayerRecipe.from_dict(json.loads(json.dumps(chosen.to_dict()))) == chosen
+    with pytest.raises(ValueError, match="archive_format"):
+        LayerRecipe("none", archive_format="pca")
+    assert ARCHIVE_FORMAT_NAMES == ARCHIVE_FORMATS  # the recipe checks names without importing the caches
+
+
+def test_choose_archive_format_takes_a_candidate_only_by_the_margin():
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 4, 8, generator=g), torch.randn(1, 1, 32, 8, generator=g),
+               torch.randn(1, 1, 32, 8, generator=g))
+    eps = torch.randn(k.shape, generator=g)
+    noise = {"kivi": 0.3, "subspace": 0.1, "kvquant": 0.2}
+    name, errors = choose_archive_format(q, k, v, 0.3, lambda n: (k + noise[n] * eps, v), "kivi",
+                                         ("subspace", "kvquant"))
+    assert name == "subspace" and set(errors) == {"format-kivi", "format-subspace", "format-kvquant"}
+    assert errors["format-subspace"] < errors["format-kvquant"] < errors["format-kivi"]
+    close = {"kivi": 0.3, "subspace": 0.29}  # a 3 % lead does not replace the options' format
+    assert choose_archive_format(q, k, v, 0.3, lambda n: (k + close[n] * eps, v), "kivi", ("subspace",))[0] == "kivi"
+
+
+@pytest.mark.parametrize("options, match", [
+    ({"archive_candidates": "subspace"}, "JSON list"),
+    ({"archive_candidates": ["kivi", "pca"]}, "archive_candidates entry"),
+    ({"archive_candidates": ["kivi", "subspace"], "rotation": "static"}, "rotation='auto'"),
+    ({"archive_candidates": ["kivi", "subspace"], "archive_quantizer": "adaptive"}, "one format per layer"),
+])
+def test_archive_candidates_are_checked(options, match):
+    with pytest.raises(ValueError, match=match):
+        TieredQuantCache(**options)
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_calibration_chooses_each_layers_archive_format_by_its_queries(smol, moby_text):
+    """`archive_candidates`: each layer round-trips its held positions through every format and keeps the one its
+    queries read best (another format than `archive_quantizer` by the 10 % margin); the archive then holds codes of
+    that format, fitted as usual, and a saved recipe list gives the same formats without calibrating."""
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, moby_text, 5000, 1024)
+    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"])
+    model(ids[:, :960], past_key_values=cache)  # the queries reach a layer after its update: it calibrates on the next
+    model(ids[:, 960:], past_key_values=cache)
+    recipes = cache.recipes()
+    for r, layer in zip(recipes, cache.layers):
+        kivi, sub = r["errors"]["format-kivi"], r["errors"]["format-subspace"]
+        assert r.get("archive_format") == ("subspace" if sub < 0.9 * kivi else None)
+        archived = layer.tiers.archive
+        assert isinstance(archived.keys, SubspaceRows if r.get("archive_format") else KIVIQuantized)
+        assert set(layer.formats) <= {"warm", "kivi", "subspace"}
+    chosen = sum("archive_format" in r for r in recipes)
+    assert 0 < chosen < len(recipes)  # measured: 20 of 30 layers take the subspace archive on this prompt
+    again = TieredQuantCache(config=model.config, recipes=json.loads(json.dumps(recipes)))
+    model(ids[:, :960], past_key_values=again)
+    assert [r.get("archive_format") for r in again.recipes()] == [r.get("archive_format") for r in recipes]
+    assert [type(la.tiers.archive.keys) for la in again.layers] == [type(la.tiers.archive.keys) for la in cache.layers]
 
 
 @pytest.mark.slow

@@ -27,13 +27,14 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
 
     def __init__(self, config=None, **options: Any) -> None:
         super().__init__(config, **options)
-        if config is not None and isinstance(self.options, TieredQuantOptions) and needs_rope(self.options):
+        if config is not None and isinstance(self.options, TieredQuantOptions) and needs_rope(
+                self.options, self.options.recipes):
             text = config.get_text_config(decoder=True)
             types = getattr(text, "layer_types", None) or [None] * len(self.layers)
             for layer, layer_type in zip(self.layers, types):
                 if isinstance(layer, TieredQuantLayer):
                     layer.rope = KeyRotation.from_config(
-                        config, layer_type=layer_type, user=f"archive_quantizer={self.options.archive_quantizer!r}",
+                        config, layer_type=layer_type, user=_rope_user(self.options),
                         instead="archive_quantizer='kivi'" + (
                             " or subspace_prerope=False" if self.options.archive_quantizer == "subspace" else ""))
         target = getattr(self.options, "target_ratio", None)
@@ -92,3 +93,11 @@ class KIVICache(TieredQuantCache):
     options_class = KIVIOptions
     layer_class = KIVILayer
     threshold_fields = ("residual_length", "bits")
+
+
+def _rope_user(options: TieredQuantOptions) -> str:
+    """The options that make a tiered cache undo RoPE, as an error message names them."""
+    user = f"archive_quantizer={options.archive_quantizer!r}"
+    if options.archive_candidates:
+        user += f" with archive_candidates={options.archive_candidates!r}"
+    return user + (" with the archive formats of recipes" if options.recipes else "")

@@ -1,15 +1,17 @@
-"""What a tiered layer chooses from the queries it sees: the rotation of keys / values, key clipping and the
-archive width (`TierCalibration`, a mixin of `TieredQuantLayer`), and the round trips those choices are scored on."""
+"""What a tiered layer chooses from the queries it sees: the rotation of keys / values, key clipping, the archive
+format and width (`TierCalibration`, a mixin of `TieredQuantLayer`), and the round trips those choices are scored
+on."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from ...quant.rotation import hadamard_rotation, is_power_of_two
 from ...calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
-from ...calibrate.recipe import choose_key_clipping
+from ...calibrate.recipe import choose_archive_format, choose_key_clipping
 
 
 class TierCalibration:
@@ -50,6 +52,7 @@ class TierCalibration:
             self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
                                         self._rotation_candidates(), self._kivi_tiers())
             self._choose_key_clipping(queries, keys, values)
+            self._choose_archive_format(queries, keys, values)
             self._widen_archive(queries, keys, values)
         self._set_rotation(self.recipe.rotation)
         self.calibrating, self.query_window, self._calib_queries = False, 0, None
@@ -82,6 +85,37 @@ class TierCalibration:
         self.recipe.clip_keys = clip
         self.recipe.errors.update(errors)
 
+    def _choose_archive_format(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`archive_candidates`: give this layer the archive format (of `archive_quantizer` and the candidates) whose
+        round trip of the held positions keeps its queries' attention error lowest (`calibrate.recipe.
+        choose_archive_format`, another format than `archive_quantizer` only by a margin). The states fitted here are
+        dropped: the chosen format is fitted as usual on the first positions archived."""
+        p = self.plan
+        others = tuple(c for c in (p.archive_candidates or ()) if c != p.archive_quantizer)
+        if not others:
+            return
+        self._set_rotation(self.recipe.rotation)  # KIVI codes live in the rotated basis
+
+        def roundtrip(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+            fmt = self._archive_format(name, self.specs["arch"].bits)
+
+            def fit_and_code(k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                k, v = fmt.prepare(k, v, 0)
+                # fitted on the first half of the groups (KIVI: nothing to fit), so that the other half is coded
+                # as later positions are, by a state fitted without them
+                n = max(1, k.shape[2] // p.archive_group // 2) * p.archive_group
+                fmt.fit(k[:, :, :n], v[:, :, :n])
+                return fmt.decode(fmt.encode(k, v), 0)
+
+            return self._held_roundtrip(keys, values, fit_and_code)
+
+        name, errors = choose_archive_format(queries, keys, values, self._calib_scaling, roundtrip,
+                                             p.archive_quantizer, others)
+        for other in (p.archive_quantizer, *others):  # the archive fits its format as usual, on what it archives
+            self.formats.pop(other, None)
+        self.recipe.archive_format = None if name == p.archive_quantizer else name
+        self.recipe.errors.update(errors)
+
     def _widen_archive(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`archive_error_target`: give this layer the narrowest KIVI archive width (archive_bits..warm_bits) whose
         round trip under the chosen rotation keeps its queries' attention error within the target."""
@@ -103,7 +137,7 @@ class TierCalibration:
         """The tiers a rotation applies to (KIVI-quantized ones), each distinct spec once."""
         p = self.plan
         tiers = ("warm",) if p.warm_length else ()
-        if p.archive_quantizer == "kivi" and not (tiers and self.specs["warm"] == self.specs["arch"]):
+        if self._archive_name() == "kivi" and not (tiers and self.specs["warm"] == self.specs["arch"]):
             tiers += ("arch",)
         return tiers
 
@@ -112,12 +146,18 @@ class TierCalibration:
         everything but the last `tail_length` (in whole archive groups) quantized at that tier's width, sinks and the
         rest exact."""
         self._set_rotation(rotation)
+        return self._held_roundtrip(keys, values, lambda k, v: self._dequantize(self._quantize(k, v, tier), 0))
+
+    def _held_roundtrip(self, keys: torch.Tensor, values: torch.Tensor,
+                        code: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
+        """`keys`/`values` of positions `[0, T)` with all but the last `tail_length` (in whole archive groups) passed
+        through `code(keys, values) -> (keys', values')` (padding masked first), sinks and the rest exact."""
         g = self.plan.archive_group
         m = (keys.shape[2] - self.plan.tail_length) // g * g
         k_out, v_out = keys.float().clone(), values.float().clone()
         if m > 0:
-            q = self._quantize(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0), tier)
-            k_out[:, :, :m], v_out[:, :, :m] = self._dequantize(q, 0)
+            k_out[:, :, :m], v_out[:, :, :m] = code(self._mask_outside(keys[:, :, :m], 0),
+                                                    self._mask_outside(values[:, :, :m], 0))
             n_sink = min(self.plan.sink_length, m)
             k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
         return k_out, v_out

@@ -38,11 +38,16 @@ class ArchiveFormatChoice:
         key_bits, bits = widths(q)
         return self._archive_format(name, bits, key_bits)
 
+    def _archive_name(self) -> str:
+        """The layer's archive format: the one calibration chose (`recipe.archive_format`), else `archive_quantizer`."""
+        chosen = None if self.recipe is None else self.recipe.archive_format
+        return chosen or self.plan.archive_quantizer
+
     def _format_at(self, start: int) -> ArchiveFormat:
         """The format of the archive group starting at position `start` (adaptive: chosen by that position)."""
-        p = self.plan
-        if p.archive_quantizer != "adaptive":
-            return self._archive_format(p.archive_quantizer, self.specs["arch"].bits)
+        p, name = self.plan, self._archive_name()
+        if name != "adaptive":
+            return self._archive_format(name, self.specs["arch"].bits)
         i = sum(start >= b for b in p.adaptive_boundaries)
         return self._archive_format(p.adaptive_formats[i], p.adaptive_bits[i])
 

@@ -105,8 +105,9 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
             self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
         self.formats["warm"] = KIVIFormat(self, self.specs["warm"])
-        if needs_rope(p) and self.rope is None:
-            raise ValueError(f"archive_quantizer={p.archive_quantizer!r} undoes RoPE with the model's rope_theta: "
+        if needs_rope(p, None if self.recipe is None else [self.recipe.to_dict()]) and self.rope is None:
+            raise ValueError(f"archive_quantizer={p.archive_quantizer!r} (or the format of the layer's recipe, or of "
+                             "archive_candidates) undoes RoPE with the model's rope_theta: "
                              "build the cache with the model config, TieredQuantCache(config=model.config, ...)")
         for name, dim in (("head_dim", head_dim), ("value head_dim", value_dim)):
             if p.archive_rank is not None and p.archive_rank > dim:

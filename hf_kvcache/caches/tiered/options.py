@@ -24,7 +24,7 @@ TIERS = ("sink", "archive", "warm", "tail")
 SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "archive_bits", "archive_key_bits",
                   "group_size",
                   "archive_group_size", "value_group_size", "rotation", "clip_ratio", "clip_search", "clip_on",
-                  "archive_quantizer")
+                  "archive_quantizer", "archive_candidates")
 # what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256:
 # docs/rows/sliding_*gemma3-270m*)
 # no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values clipped (keys clipped too flipped
@@ -93,6 +93,14 @@ class TieredQuantOptions(CacheOptions):
       `adaptive_formats[i]` at `adaptive_bits[i]` bits from `adaptive_boundaries[i - 1]` on (by default KIVI-2 below
       2048 positions, subspace-2 up to 8192, KVQuant-3 beyond); groups archived before a switch keep their format
       (the archive is then a `SegmentedTier`); every switch is listed in `memory_stats()["archive_switches"]`
+    - archive_candidates: formats (names of "kivi", "kvquant", "subspace") that calibration (rotation "auto", with
+      queries) may give a layer's archive instead of `archive_quantizer`: each is fitted on the layer's held
+      positions and round-tripped at the archive's widths, and a candidate is taken when it lowers the attention
+      error of the layer's queries by `calibrate.recipe.ARCHIVE_FORMAT_MARGIN` (relative) against
+      `archive_quantizer` (a fitted format is fitted on the first half of the held archive groups, so that the
+      other half is coded as later positions are); the choice is in the layer's recipe (`cache.recipes()`), and the
+      chosen format is fitted as usual on what the layer archives. Without queries, `archive_quantizer`. None / []:
+      no choice. Sliding-window layers take it only from `sliding`
     - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
       this many positions and is fitted on all of them (they stay at warm_bits until then; 0: fitted on the first
       archive group and the warm tier after it). A basis or codebook fitted once on a few hundred positions of a
@@ -162,6 +170,7 @@ class TieredQuantOptions(CacheOptions):
     value_group_size: int | None = None
     sink_length: int = 4
     archive_quantizer: str = "kivi"
+    archive_candidates: list | None = None
     archive_outliers: float = 0.01
     archive_rank: int | None = None
     archive_fit_positions: int = 0
@@ -235,6 +244,7 @@ class TieredQuantOptions(CacheOptions):
         """The options a sliding-window layer runs with: `sliding` laid over these, and no sinks (nor a subspace
         rank when `sliding` picks an archive without bases)."""
         over = dict(self.sliding or {})
+        over.setdefault("archive_candidates", None)
         if over.get("archive_quantizer", self.archive_quantizer) not in ("subspace", "adaptive"):
             over["archive_rank"] = None
         return dataclasses.replace(self, sliding=None, sink_length=0, **over)
@@ -243,7 +253,8 @@ class TieredQuantOptions(CacheOptions):
         check_bool("subspace_prerope", self.subspace_prerope)
         check_bool("subspace_allocation", self.subspace_allocation)
         check_positive_int("archive_rank", self.archive_rank, allow_none=True)
-        subspace = self.archive_quantizer == "subspace" or (
+        self._check_archive_candidates()
+        subspace = self.archive_quantizer == "subspace" or "subspace" in (self.archive_candidates or ()) or (
             self.archive_quantizer == "adaptive" and isinstance(self.adaptive_formats, list)
             and "subspace" in self.adaptive_formats)
         if self.archive_rank is not None and not subspace:
@@ -266,6 +277,24 @@ class TieredQuantOptions(CacheOptions):
             check_choice("adaptive_formats entry", name, ARCHIVE_FORMATS)
         for bits in w:
             check_int("adaptive_bits entry", bits, 1, 8)
+
+    def _check_archive_candidates(self) -> None:
+        c = self.archive_candidates
+        if c is None:
+            return
+        if not isinstance(c, list):
+            raise ValueError(f"archive_candidates must be a JSON list of archive formats, e.g. ['kivi', 'subspace'], "
+                             f"or None, got {c!r}")
+        for name in c:
+            check_choice("archive_candidates entry", name, ARCHIVE_FORMATS)
+        if set(c) - {self.archive_quantizer}:
+            if self.archive_quantizer == "adaptive":
+                raise ValueError(f"archive_candidates={c} chooses one format per layer; the adaptive archive chooses "
+                                 "by position: use archive_quantizer='kivi', 'kvquant' or 'subspace', or "
+                                 "archive_candidates=None")
+            if self.rotation != "auto":
+                raise ValueError(f"archive_candidates={c} is chosen by calibration from the layer's queries: set "
+                                 f"rotation='auto' (got {self.rotation!r}), or archive_candidates=None")
 
     @property
     def archive_group(self) -> int:
@@ -312,7 +341,10 @@ def largest_divisor(n: int, at_most: int) -> int:
     return next(d for d in range(min(n, at_most), 0, -1) if n % d == 0)
 
 
-def needs_rope(p: TieredQuantOptions) -> bool:
-    """Whether the archive options quantize keys before RoPE (and so need the model's RoPE)."""
-    names = p.adaptive_formats if p.archive_quantizer == "adaptive" else [p.archive_quantizer]
+def needs_rope(p: TieredQuantOptions, recipes: list | None = None) -> bool:
+    """Whether the archive options (or the archive formats `recipes` give layers) quantize keys before RoPE (and so
+    need the model's RoPE)."""
+    chosen = [LayerRecipe.from_dict(r).archive_format for r in recipes or () if r is not None]
+    names = p.adaptive_formats if p.archive_quantizer == "adaptive" else [p.archive_quantizer,
+                                                                          *(p.archive_candidates or ()), *chosen]
     return "kvquant" in names or ("subspace" in names and p.subspace_prerope)
