@@ -46,6 +46,8 @@ class FormatHost(Protocol):
     formats), the Hadamard rotations calibration chose (KIVI codes live in that basis), and its clipping choices."""
 
     plan: Any  # the layer's `TieredQuantOptions`
+    head_dim: int
+    value_dim: int
     rope: KeyRotation | None
     rot_k: HadamardRotation | None
     rot_v: HadamardRotation | None
@@ -106,7 +108,8 @@ class ArchiveFormat:
         return False
 
     def costs(self) -> ArchiveCosts | None:
-        """What this format's codes hold, once fitted (None: the budget's KIVI estimate from the spec applies)."""
+        """What this format's codes hold, once fitted (None: not fitted yet, or a format that does not say; the
+        budget then sizes it as KIVI codes of its spec)."""
         return None
 
     def _whole_groups(self, x: torch.Tensor) -> torch.Tensor:
@@ -146,6 +149,14 @@ class KIVIFormat(ArchiveFormat):
 
     def moves(self, warm_spec):
         return self.spec == warm_spec
+
+    def costs(self):
+        # per-channel key groups: a scale and zero per channel every `key_group` positions; per-token value groups:
+        # one per `value_group` channels
+        spec, hd, vd = self.spec, self.layer.head_dim, self.layer.value_dim
+        keys = packed_length(hd, spec.kbits) + SCALE_ZERO_BYTES * hd / spec.key_group
+        values = packed_length(vd, spec.bits) + SCALE_ZERO_BYTES * vd / spec.value_group
+        return ArchiveCosts(keys + values, 0)
 
 
 class _PreRoPEFormat(ArchiveFormat):

@@ -15,8 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..quant.packing import packed_length
-from .accounting import FP16_BYTES, SCALE_ZERO_BYTES, held_bytes
+from .accounting import FP16_BYTES, held_bytes
+from .archive import KIVIFormat
 
 if TYPE_CHECKING:  # pragma: no cover
     from .tiered import TieredQuantLayer
@@ -33,23 +33,13 @@ class PositionCosts:
 
 
 def position_costs(layer: "TieredQuantLayer") -> PositionCosts:
-    """The per-position bytes of `layer`'s tiers: KIVI codes from the specs (per-channel key groups: one scale and
-    zero per channel for every `key_group` positions; per-token value groups: one per `value_group` channels), or
-    what the archive's format says it holds once fitted (`ArchiveFormat.costs`: a subspace archive's allocated
-    widths and bases)."""
-    hd, vd = layer.head_dim, layer.value_dim
-
-    def kivi(spec) -> float:
-        keys = packed_length(hd, spec.kbits) + SCALE_ZERO_BYTES * hd / spec.key_group
-        values = packed_length(vd, spec.bits) + SCALE_ZERO_BYTES * vd / spec.value_group
-        return keys + values
-
-    exact = (hd + vd) * layer.tail_dtype.itemsize
-    archive, fixed = kivi(layer.specs["arch"]), 0.0
-    fitted = layer.archive_costs()
-    if fitted is not None:
-        archive, fixed = fitted.position, fitted.fixed / (layer.batch_size() * layer.num_heads)
-    return PositionCosts(exact, kivi(layer.specs["warm"]), archive, fixed)
+    """The per-position bytes of `layer`'s tiers, as their formats say (`ArchiveFormat.costs`: KIVI codes from their
+    specs, a subspace archive's allocated widths and bases once fitted); an archive format that does not say yet is
+    sized as KIVI codes of the archive's spec."""
+    archive = layer.archive_costs() or KIVIFormat(layer, layer.specs["arch"]).costs()
+    return PositionCosts((layer.head_dim + layer.value_dim) * layer.tail_dtype.itemsize,
+                         layer.formats["warm"].costs().position, archive.position,
+                         archive.fixed / (layer.batch_size() * layer.num_heads))
 
 
 @dataclass
