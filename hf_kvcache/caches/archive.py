@@ -71,6 +71,7 @@ class ArchiveFormat:
     """Base of the formats (see the module docstring); `spec` carries the bit width and group sizes."""
 
     name = ""
+    needs_fit = False  # a fitted state (codebooks, bases) comes from the first positions archived
     rotated = False  # codes live in the layer's rotated basis (KIVI): prepare/decode may take/give it directly
 
     def __init__(self, layer: FormatHost, spec: TierSpec) -> None:
@@ -178,6 +179,7 @@ class KVQuantFormat(_PreRoPEFormat):
     per-token values, the `archive_outliers` fraction of each token's entries exact in fp16."""
 
     name = "kvquant"
+    needs_fit = True
 
     def __init__(self, layer, spec):
         super().__init__(layer, spec)
@@ -222,6 +224,7 @@ class SubspaceFormat(_PreRoPEFormat):
     the budget shrinks with them)."""
 
     name = "subspace"
+    needs_fit = True
     KEY_SUBSPACE = 8  # directions per key subspace: the allocation's granularity (keys have per-direction scales)
 
     def __init__(self, layer, spec):

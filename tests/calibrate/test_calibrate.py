@@ -184,3 +184,27 @@ def test_a_calibrating_layer_holds_its_last_queries_not_the_forwards_whole_query
     queries = layer._calib_queries
     assert queries.shape[2] == layer.plan.calibration_queries == 64
     assert queries.untyped_storage().nbytes() == queries.numel() * queries.element_size()
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_a_fitted_archive_format_competes_only_with_enough_positions_to_fit(smol, moby_text, monkeypatch):
+    """A basis fitted on fewer positions than `MIN_FIT_POSITIONS_PER_DIM` per head dimension is not a candidate: the
+    layer keeps `archive_quantizer` without round-tripping it."""
+    from hf_kvcache.caches.tiered import calibration
+
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, moby_text, 5000, 448)
+    monkeypatch.setattr(calibration, "MIN_FIT_POSITIONS_PER_DIM", 4)  # 256 positions for SmolLM2's 64-dim heads
+    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"])
+    model(ids[:, :384], past_key_values=cache)  # calibrates on 384 held positions: 2 of 5 archive groups fitted on
+    model(ids[:, 384:], past_key_values=cache)
+    recipes = cache.recipes()
+    assert all(r["source"] == "queries" and not any(e.startswith("format-") for e in r["errors"]) for r in recipes)
+    assert all("archive_format" not in r for r in recipes)
+    monkeypatch.setattr(calibration, "MIN_FIT_POSITIONS_PER_DIM", 2)  # 128: the two groups are enough
+    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"])
+    model(ids[:, :384], past_key_values=cache)
+    model(ids[:, 384:], past_key_values=cache)
+    assert all("format-subspace" in r["errors"] for r in cache.recipes())

@@ -12,6 +12,13 @@ import torch
 from ...quant.rotation import hadamard_rotation, is_power_of_two
 from ...calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
 from ...calibrate.recipe import choose_archive_format, choose_key_clipping
+from ..archive import FORMAT_CLASSES
+
+
+# archive_candidates: a fitted format (a basis, a codebook) competes only when the positions it is fitted on in the
+# calibration round trip number at least this many per head dimension: fitted on fewer (a 256-dim head on the first
+# 512-token chunk of a stream) it scores well on the calibration's own positions and badly on the rest of the stream
+MIN_FIT_POSITIONS_PER_DIM = 2
 
 
 class TierCalibration:
@@ -91,7 +98,11 @@ class TierCalibration:
         choose_archive_format`, another format than `archive_quantizer` only by a margin). The states fitted here are
         dropped: the chosen format is fitted as usual on the first positions archived."""
         p = self.plan
-        others = tuple(c for c in (p.archive_candidates or ()) if c != p.archive_quantizer)
+        g = p.archive_group
+        fit_positions = max(1, (keys.shape[2] - p.tail_length) // g // 2) * g  # what `fit_and_code` fits on
+        enough = fit_positions >= MIN_FIT_POSITIONS_PER_DIM * max(self.head_dim, self.value_dim)
+        others = tuple(c for c in (p.archive_candidates or ())
+                       if c != p.archive_quantizer and (enough or not FORMAT_CLASSES[c].needs_fit))
         if not others:
             return
         self._set_rotation(self.recipe.rotation)  # KIVI codes live in the rotated basis
@@ -103,8 +114,7 @@ class TierCalibration:
                 k, v = fmt.prepare(k, v, 0)
                 # fitted on the first half of the groups (KIVI: nothing to fit), so that the other half is coded
                 # as later positions are, by a state fitted without them
-                n = max(1, k.shape[2] // p.archive_group // 2) * p.archive_group
-                fmt.fit(k[:, :, :n], v[:, :, :n])
+                fmt.fit(k[:, :, :fit_positions], v[:, :, :fit_positions])
                 return fmt.decode(fmt.encode(k, v), 0)
 
             return self._held_roundtrip(keys, values, fit_and_code)

@@ -98,7 +98,9 @@ class TieredQuantOptions(CacheOptions):
       positions and round-tripped at the archive's widths, and a candidate is taken when it lowers the attention
       error of the layer's queries by `calibrate.recipe.ARCHIVE_FORMAT_MARGIN` (relative) against
       `archive_quantizer` (a fitted format is fitted on the first half of the held archive groups, so that the
-      other half is coded as later positions are); the choice is in the layer's recipe (`cache.recipes()`), and the
+      other half is coded as later positions are; it competes only when that half holds at least
+      `caches.tiered.calibration.MIN_FIT_POSITIONS_PER_DIM` positions per head dimension); the choice is in the
+      layer's recipe (`cache.recipes()`), and the
       chosen format is fitted as usual on what the layer archives. Without queries, `archive_quantizer`. None / []:
       no choice. Sliding-window layers take it only from `sliding`
     - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
