@@ -100,9 +100,9 @@ class TieredQuantOptions(CacheOptions):
       `archive_quantizer` (a fitted format is fitted on the first half of the held archive groups, so that the
       other half is coded as later positions are; it competes only when that half holds at least
       `caches.tiered.calibration.MIN_FIT_POSITIONS_PER_DIM` positions per head dimension); the choice is in the
-      layer's recipe (`cache.recipes()`), and the
-      chosen format is fitted as usual on what the layer archives. Without queries, `archive_quantizer`. None / []:
-      no choice. Sliding-window layers take it only from `sliding`
+      layer's recipe (`cache.recipes()`), and the chosen format is fitted as usual on what the layer archives.
+      Without queries, `archive_quantizer`. None / []: no choice. Sliding-window layers take it only from `sliding`.
+      A subspace or KVQuant archive is not read in place by the fused attention (it is dequantized at every step)
     - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
       this many positions and is fitted on all of them (they stay at warm_bits until then; 0: fitted on the first
       archive group and the warm tier after it). A basis or codebook fitted once on a few hundred positions of a
