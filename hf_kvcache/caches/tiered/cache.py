@@ -27,8 +27,16 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
 
     def __init__(self, config=None, **options: Any) -> None:
         super().__init__(config, **options)
-        if config is not None and isinstance(self.options, TieredQuantOptions) and needs_rope(
-                self.options, self.options.recipes):
+        recipes = getattr(self.options, "recipes", None)
+        if recipes is not None:
+            if len(recipes) != len(self.layers):
+                raise ValueError(f"recipes has {len(recipes)} entries, the model has {len(self.layers)} layers; pass "
+                                 "the list cache.recipes() returned for this model")
+            for layer, r in zip(self.layers, recipes):
+                if r is not None and isinstance(layer, TieredQuantLayer):
+                    layer.recipe = LayerRecipe.from_dict(r)
+        chosen = [la.recipe.archive_format for la in self.layers if getattr(la, "recipe", None) is not None]
+        if config is not None and isinstance(self.options, TieredQuantOptions) and needs_rope(self.options, chosen):
             text = config.get_text_config(decoder=True)
             types = getattr(text, "layer_types", None) or [None] * len(self.layers)
             for layer, layer_type in zip(self.layers, types):
@@ -43,14 +51,6 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
             for layer in self.layers:
                 if isinstance(layer, TieredQuantLayer):
                     layer.budget = budget
-        recipes = getattr(self.options, "recipes", None)
-        if recipes is not None:
-            if len(recipes) != len(self.layers):
-                raise ValueError(f"recipes has {len(recipes)} entries, the model has {len(self.layers)} layers; pass "
-                                 "the list cache.recipes() returned for this model")
-            for layer, r in zip(self.layers, recipes):
-                if r is not None and isinstance(layer, TieredQuantLayer):
-                    layer.recipe = LayerRecipe.from_dict(r)
 
     def quality_metrics(self) -> dict[str, Any]:
         """A cheap online quality proxy (`hf_kvcache.calibrate.quality`): `proxy`, the relative squared error of the

@@ -105,7 +105,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
             self.tail_dtype = getattr(torch, p.tail_dtype) if p.tail_dtype else key_states.dtype
         self.rot_dtype = getattr(torch, p.rotation_dtype) if p.rotation_dtype else torch.float32
         self.formats["warm"] = KIVIFormat(self, self.specs["warm"])
-        if needs_rope(p, None if self.recipe is None else [self.recipe.to_dict()]) and self.rope is None:
+        if needs_rope(p, () if self.recipe is None else (self.recipe.archive_format,)) and self.rope is None:
             raise ValueError(f"archive_quantizer={p.archive_quantizer!r} (or the format of the layer's recipe, or of "
                              "archive_candidates) undoes RoPE with the model's rope_theta: "
                              "build the cache with the model config, TieredQuantCache(config=model.config, ...)")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 
 from ...options import CacheOptions, check_bool, check_choice, check_int, check_number, check_positive_int
@@ -343,10 +343,9 @@ def largest_divisor(n: int, at_most: int) -> int:
     return next(d for d in range(min(n, at_most), 0, -1) if n % d == 0)
 
 
-def needs_rope(p: TieredQuantOptions, recipes: list | None = None) -> bool:
-    """Whether the archive options (or the archive formats `recipes` give layers) quantize keys before RoPE (and so
-    need the model's RoPE)."""
-    chosen = [LayerRecipe.from_dict(r).archive_format for r in recipes or () if r is not None]
+def needs_rope(p: TieredQuantOptions, chosen: Iterable[str | None] = ()) -> bool:
+    """Whether the archive options (or `chosen`, the archive formats layers' recipes give them; None: the options')
+    quantize keys before RoPE (and so need the model's RoPE)."""
     names = p.adaptive_formats if p.archive_quantizer == "adaptive" else [p.archive_quantizer,
                                                                           *(p.archive_candidates or ()), *chosen]
     return "kvquant" in names or ("subspace" in names and p.subspace_prerope)
