@@ -97,9 +97,8 @@ class TierCalibration:
         round trip of the held positions keeps its queries' attention error lowest (`calibrate.recipe.
         choose_archive_format`, another format than `archive_quantizer` only by a margin). The states fitted here are
         dropped: the chosen format is fitted as usual on the first positions archived."""
-        p = self.plan
-        g = p.archive_group
-        fit_positions = max(1, (keys.shape[2] - p.tail_length) // g // 2) * g  # what `fit_and_code` fits on
+        p, g = self.plan, self.plan.archive_group
+        fit_positions = max(g, self._roundtrip_length(keys.shape[2]) // g // 2 * g)  # what `fit_and_code` fits on
         enough = fit_positions >= MIN_FIT_POSITIONS_PER_DIM * max(self.head_dim, self.value_dim)
         others = tuple(c for c in (p.archive_candidates or ())
                        if c != p.archive_quantizer and (enough or not FORMAT_CLASSES[c].needs_fit))
@@ -158,12 +157,17 @@ class TierCalibration:
         self._set_rotation(rotation)
         return self._held_roundtrip(keys, values, lambda k, v: self._dequantize(self._quantize(k, v, tier), 0))
 
+    def _roundtrip_length(self, held: int) -> int:
+        """How many of `held` positions a calibration round trip codes: all but the last `tail_length`, in whole
+        archive groups."""
+        g = self.plan.archive_group
+        return (held - self.plan.tail_length) // g * g
+
     def _held_roundtrip(self, keys: torch.Tensor, values: torch.Tensor,
                         code: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]):
         """`keys`/`values` of positions `[0, T)` with all but the last `tail_length` (in whole archive groups) passed
         through `code(keys, values) -> (keys', values')` (padding masked first), sinks and the rest exact."""
-        g = self.plan.archive_group
-        m = (keys.shape[2] - self.plan.tail_length) // g * g
+        m = self._roundtrip_length(keys.shape[2])
         k_out, v_out = keys.float().clone(), values.float().clone()
         if m > 0:
             k_out[:, :, :m], v_out[:, :, :m] = code(self._mask_outside(keys[:, :, :m], 0),
