@@ -26,7 +26,9 @@ import torch
 from . import native, native_step
 from .blockwise import combine, dense_partial, finish, normalized, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
-from .segments import FullSegment, QuantSegment, Segment, TokenSegment, dense_segments, split_overlays
+from .from_subspace import subspace_mass, subspace_partial
+from .segments import (FullSegment, QuantSegment, Segment, SubspaceSegment, TokenSegment, dense_segments,
+                       split_overlays)
 from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
 
 NEG_INF = float("-inf")
@@ -131,6 +133,9 @@ def decode_attention(
                 partials.append(part)
             else:
                 dense.append((FullSegment(*seg.dequantize(torch.float32)), start, cmask))
+        elif isinstance(seg, SubspaceSegment):  # the torch path on every device; its output in the model's basis
+            partials.append(subspace_partial(q, seg, seg_mask, block))
+            quant_spans.append((seg, start, stop, key_valid, seg_mask, q, False))
         elif isinstance(seg, QuantSegment):
             seg.check()
             q_seg = _in_key_basis(q, seg, rotated_q)
@@ -171,6 +176,8 @@ def decode_attention(
                 from .triton_decode import quant_mass_triton
 
                 mass[..., start:stop] = quant_mass_triton(q_seg, seg, key_valid, lse)
+            elif isinstance(seg, SubspaceSegment):
+                mass[..., start:stop] = subspace_mass(q_seg, seg, seg_mask, lse, block)
             else:
                 mass[..., start:stop] = quant_mass_codes(q_seg, seg, seg_mask, lse, block)
         if dense:
@@ -201,6 +208,8 @@ def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dt
 
     quant = [s for s in segments if not isinstance(s, FullSegment)]
     pieces = [s for s in [*segments, *overlays] if isinstance(s, FullSegment) and s.tokens]
+    if any(isinstance(s, SubspaceSegment) for s in quant):  # no Triton kernel reads a subspace archive
+        return None
     if len(quant) > triton_step.MAX_SETS or len(pieces) > triton_step.MAX_PIECES:
         return None
     rotations = {id(getattr(s, "v_rotation", None)) for s in quant}

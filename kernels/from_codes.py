@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_kvcache.quant.kivi import KIVIQuantized
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
 
 from .blockwise import NEG_INF, combine, scratch
@@ -37,31 +38,44 @@ def _codes(packed: torch.Tensor, bits: int, dim: int, name: str) -> tuple[torch.
 
 def block_scores(q: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
     """Scores `[B, H, M, T]` of grouped, scaled queries `q` [B, H, M, D] (in the segment's key basis) against the
-    segment's keys, from their codes: one small matmul per key group with the query times the group's scales, plus
-    the query times the group's zeros."""
+    segment's keys, from their codes (`channel_scores`)."""
+    return channel_scores(q, seg.key_codes())
+
+
+def channel_scores(q: torch.Tensor, keys: KIVIQuantized) -> torch.Tensor:
+    """Scores `[B, H, M, T]` of `q` [B, H, M, D] against keys coded per channel (`keys`, D channels): one small matmul
+    per key group with the query times the group's scales, plus the query times the group's zeros."""
     b, h, m, d = q.shape
-    codes, shifted = _codes(seg.k_codes, seg.k_bits, d, "codes_k")
-    scale = seg.k_scale.float()  # [B, H, G, D]
+    t, g = keys.codes.shape[2], keys.group_size
+    codes, shifted = _codes(keys.codes, keys.bits, d, "codes_k")
+    scale = keys.scale.float()  # [B, H, G, D]
     if shifted:
-        scale = scale * lane_factors(seg.k_bits, d, q.device)
+        scale = scale * lane_factors(keys.bits, d, q.device)
     qs = q.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, G, M, D]
-    bias = torch.matmul(seg.k_zero.float(), q.transpose(-1, -2))  # [B, H, G, M]
-    s = torch.baddbmm(bias.view(-1, m, 1), qs.view(-1, m, d), codes.view(-1, seg.k_group, d).transpose(1, 2))
-    return s.view(b, h, -1, m, seg.k_group).transpose(2, 3).reshape(b, h, m, seg.tokens)
+    bias = torch.matmul(keys.zero.float(), q.transpose(-1, -2))  # [B, H, G, M]
+    s = torch.baddbmm(bias.view(-1, m, 1), qs.view(-1, m, d), codes.view(-1, g, d).transpose(1, 2))
+    return s.view(b, h, -1, m, g).transpose(2, 3).reshape(b, h, m, t)
 
 
 def block_values(p: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
     """`p` [B, H, M, T] (unnormalized probabilities) times the segment's values, from their codes: [B, H, M, D]."""
+    return token_values(p, seg.value_codes())
+
+
+def token_values(p: torch.Tensor, values: KIVIQuantized) -> torch.Tensor:
+    """`p` [B, H, M, T] times values coded per token in groups of `values.group_size` channels (scale and zero
+    `[B, H, T, D // group]`): one matmul per group with the probabilities times the scales, plus one with the zeros.
+    Returns `[B, H, M, D]`."""
     b, h, m, t = p.shape
-    d, vg = seg.head_dim, seg.v_group
-    codes, shifted = _codes(seg.v_codes, seg.v_bits, d, "codes_v")
-    scale, zero = seg.v_scale.float().transpose(-1, -2), seg.v_zero.float()  # [B, H, J, T], [B, H, T, J]
+    d, vg = values.dim, values.group_size
+    codes, shifted = _codes(values.codes, values.bits, d, "codes_v")
+    scale, zero = values.scale.float().transpose(-1, -2), values.zero.float()  # [B, H, J, T], [B, H, T, J]
     out = torch.empty(b, h, m, d, dtype=p.dtype, device=p.device)
     for j in range(scale.shape[-2]):  # one matmul per value group (one in all when a group spans the head)
         cols = slice(j * vg, (j + 1) * vg)
         torch.matmul(p * scale[..., j : j + 1, :], codes[..., cols], out=out[..., cols])
     if shifted:
-        out.mul_(lane_factors(seg.v_bits, d, p.device))
+        out.mul_(lane_factors(values.bits, d, p.device))
     return out.add_(torch.matmul(p, zero).repeat_interleave(vg, -1))
 
 

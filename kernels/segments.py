@@ -8,6 +8,9 @@ little-endian bit stream (`hf_kvcache.quant.packing.pack_bits` layout, for every
 A `TokenSegment` holds the uniform cache's per-token codes (`quant.uniform`: keys and values each in groups of channels
 per token), its keys optionally pre-RoPE and normalized (`key_codec`, read back at `positions`).
 
+A `SubspaceSegment` holds an archive coded in fitted bases (`quant.subspace.SubspaceRows`: keys per direction over
+token groups, values per token and subspace), its keys optionally pre-RoPE (`rope` puts RoPE back from `start`).
+
 A `FullSegment` with `overlay_at` set is an overlay: it does not add positions, it replaces what the other segments
 hold at positions `[overlay_at, overlay_at + tokens)` (full-precision attention sinks laid over a quantized tier).
 """
@@ -15,11 +18,13 @@ hold at positions `[overlay_at, overlay_at + tokens)` (full-precision attention 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from hf_kvcache.quant.kivi import KIVIQuantized, dequantize_kivi
 from hf_kvcache.quant.prerope import PreRopeKeys
+from hf_kvcache.quant.subspace import SubspaceRows, dequantize_subspace_rows
 from hf_kvcache.quant.uniform import QuantizedTensor, dequantize as dequantize_uniform
 from hf_kvcache.quant.rotation import Rotation, unrotate as unrotate_by
 
@@ -128,7 +133,53 @@ class TokenSegment:
         return self.key_codec.dequantize(self.keys, self.positions, dtype), values
 
 
-Segment = QuantSegment | TokenSegment | FullSegment
+class RopeBack(Protocol):
+    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor: ...
+
+
+@dataclass
+class SubspaceSegment:
+    """Keys and values coded in per-KV-head bases (`SubspaceRows`, `[B, H, T, ...]`; keys axis "channel", values
+    axis "token"). With `rope` the keys are pre-RoPE: `rope.rotate(keys, start)` gives the model's keys of positions
+    `start..`; without it they are the model's keys and the fused attention folds the query into their basis."""
+
+    keys: SubspaceRows
+    values: SubspaceRows
+    rope: RopeBack | None = None
+    start: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return self.keys.tokens
+
+    @property
+    def k_codes(self) -> torch.Tensor:
+        return self.keys.codes
+
+    @property
+    def k_group(self) -> int:
+        """Tokens per key scale group (a block of tokens starts on one)."""
+        return self.keys.token_group
+
+    @property
+    def head_dim(self) -> int:
+        return self.keys.basis.dim
+
+    def slice(self, start: int, stop: int) -> "SubspaceSegment":
+        """Tokens [start, stop); `start` a multiple of the keys' token group (`stop` too, or the end)."""
+        return SubspaceSegment(self.keys.slice(start, stop), self.values.slice(start, stop), self.rope,
+                               self.start + start)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (RoPE put back when pre-RoPE) and values `[B, H, T, D]` in `dtype` (`unrotate`: the segment
+        interface's flag; the bases are always undone)."""
+        keys = dequantize_subspace_rows(self.keys)
+        if self.rope is not None:
+            keys = self.rope.rotate(keys, self.start)
+        return keys.to(dtype), dequantize_subspace_rows(self.values, dtype)
+
+
+Segment = QuantSegment | TokenSegment | SubspaceSegment | FullSegment
 
 
 def split_overlays(segments: list[Segment]) -> tuple[list[Segment], list[FullSegment]]:

@@ -125,3 +125,35 @@ def test_uniform_int4_fused_matches_dequantize(smol, moby_text, fused_calls):
     assert len(fused_calls) - served == steps * model.config.num_hidden_layers, "not every decode step ran fused"
     print(f"max |fused - dequantize| logit difference, uniform int4, {steps} steps: {worst:.2e}")
     assert worst < 6e-5, worst  # measured 3.1e-5 over 24 steps (4.9e-5 with key_quant="token")
+
+
+@pytest.mark.parametrize("prerope", [True, False], ids=["pre-rope", "post-rope"])
+@torch.no_grad()
+def test_fused_reads_a_subspace_archive_in_place(smol, moby_text, fused_calls, prerope):
+    """A subspace archive (keys before or after RoPE) is read in place by the fused attention, not dequantized: the
+    same logits as dequantize + SDPA on the same cache state at every step while the archive grows."""
+    from hf_kvcache.kernels.segments import SubspaceSegment
+
+    model, tok = smol
+    ids = load_tokens(tok, moby_text, 5000, 130)
+    cache = TieredQuantCache(config=model.config, **OPTIONS, archive_quantizer="subspace", subspace_prerope=prerope,
+                             archive_fit_positions=0)
+    assert cache.bind(model)
+    worst, steps = 0.0, 24
+    try:
+        token = forward(model, "hf_kvcache", ids, cache).argmax(-1, keepdim=True)
+        for _ in range(steps):
+            reference_cache = copy.deepcopy(cache)
+            reference_cache.unbind()
+            ref = forward(model, "sdpa", token, reference_cache)
+            fused = forward(model, "hf_kvcache", token, cache)
+            worst = max(worst, float((fused - ref).abs().max()))
+            token = fused.argmax(-1, keepdim=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    assert len(fused_calls) == steps * model.config.num_hidden_layers, "the fused kernel did not serve every step"
+    segments = cache.layers[0].attention_segments()
+    assert segments is not None and isinstance(segments[0], SubspaceSegment)
+    assert (segments[0].rope is not None) == prerope
+    print(f"max |fused - dequantize| logit difference, subspace archive, {steps} steps: {worst:.2e}")
+    assert worst < 5e-5, worst

@@ -493,3 +493,37 @@ def test_native_step_of_a_tiered_layer(pads, threads):
     ref, _ = reference_attention(q, segments, mask)
     assert calls == [1]
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("prerope", [False, True], ids=["post-rope", "pre-rope"])
+@pytest.mark.parametrize("q_len", [1, 3])
+def test_decode_attention_over_a_subspace_segment(prerope, q_len, monkeypatch):
+    """A subspace archive read in place (keys per direction in subspaces of their own widths, values per token and
+    subspace; post-RoPE keys folded into the query, pre-RoPE keys rebuilt with RoPE from the segment's first
+    position): output and mass equal the dequantize-then-attend reference, over several blocks, with a padding mask
+    and a full-precision tail after it."""
+    from hf_kvcache.kernels.segments import SubspaceSegment
+    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
+    from hf_kvcache.rope import KeyRotation
+
+    g = torch.Generator().manual_seed(5)
+    b, h, t, d = 2, 2, 256, 64
+    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
+    v = torch.randn(b, h, t, d, generator=g)
+    keys = quantize_subspace_rows(k, fit_subspace(k, rank=48), (4, 3, 2, 2, 2, 2), 8, axis="channel", token_group=64)
+    values = quantize_subspace_rows(v, fit_subspace(v), (3, 2), 32, axis="token")
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)) if prerope else None
+    segments = [SubspaceSegment(keys, values, rope, start=100),
+                FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))]
+    q = torch.randn(b, 2 * h, q_len, d, generator=g)
+    mask = torch.ones(b, 1, q_len, t + 5, dtype=torch.bool)
+    mask[0, :, :, :7] = False  # a left-padded row
+    mask[..., t:] &= torch.ones(q_len, 5, dtype=torch.bool).tril(5 - q_len)  # the tail's new tokens: causal
+    ref, ref_mass = reference_attention(q, segments, mask)
+    if not prerope:  # the bases fold into the query: no key or value is ever rebuilt
+        from hf_kvcache.kernels import from_subspace
+
+        monkeypatch.setattr(from_subspace, "dequantize_subspace_rows", None)
+    out, mass = decode_attention(q, segments, mask, return_mass=True, block=64)
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)

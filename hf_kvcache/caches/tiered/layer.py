@@ -8,9 +8,10 @@ import torch
 
 from ...options import CacheOptions, check_positive_int
 from ...quant.kivi import KIVIQuantized, dequantize_kivi
+from ...quant.subspace import SubspaceRows
 from ...rope import KeyRotation
 from ...quant.rotation import is_power_of_two
-from ...kernels.segments import FullSegment, QuantSegment
+from ...kernels.segments import FullSegment, QuantSegment, SubspaceSegment
 from ...calibrate import LayerRecipe
 from ...calibrate.quality import QualityTracker
 from ..base import CompressedLayer
@@ -410,19 +411,24 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         """archive | warm | tail as segments the fused attention reads in place (no copy), plus the full-precision
         sinks as an overlay of the positions they replace in a quantized tier (while the sinks are still in the tail,
         the tail holds them exactly and no overlay is needed). Rotated tiers carry their rotation: the attention
-        rotates the queries instead of un-rotating the keys. None (the layer then hands over dequantized tensors)
-        for the per-token-keys ablation and an archive that holds another format than KIVI."""
+        rotates the queries instead of un-rotating the keys; a subspace archive carries its bases (and, for pre-RoPE
+        keys, the layer's RoPE from its first position). None (the layer then hands over dequantized tensors) for the
+        per-token-keys ablation and a KVQuant archive."""
         t = self.tiers
         quantized = [*self._segments(t.archive), *self._segments(t.warm)]
         if (self.plan.key_axis != "channel" or self.head_dim != self.value_dim
-                or any(not isinstance(q.keys, KIVIQuantized) for q in quantized)):
+                or any(not isinstance(q.keys, (KIVIQuantized, SubspaceRows)) for q in quantized)):
             return None
-        segments = []
+        segments, start = [], self._tier_starts()["archive"]
         for q in quantized:
-            if q is not None:
-                k, v = q.keys, q.values
+            k, v = q.keys, q.values
+            if isinstance(k, SubspaceRows):
+                rope = self.rope if self._tier_format(q).prerope else None
+                segments.append(SubspaceSegment(k, v, rope, start))
+            else:
                 segments.append(QuantSegment(k.codes, k.scale, k.zero, v.codes, v.scale, v.zero, k.bits, v.bits,
                                              k.group_size, v.group_size, self.head_dim, self.rot_k, self.rot_v))
+            start += q.tokens
         if t.tail is not None:
             segments.append(FullSegment(t.tail.keys, t.tail.values))
         overlaid = min(t.tokens("sink"), t.tokens("archive") + t.tokens("warm"))
