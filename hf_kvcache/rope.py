@@ -68,8 +68,8 @@ class KeyRotation:
     def _cos_sin(self, start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
         pos = torch.arange(start, start + n, dtype=torch.float32, device=device)
         freqs = pos.unsqueeze(1) * self.inv_freq.to(device)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return emb.cos(), emb.sin()
+        cos, sin = freqs.cos(), freqs.sin()  # each angle once: the two halves of the head share them
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Apply RoPE to `x` `[..., T, D]` whose tokens sit at positions start..start+T-1 (fp32 result)."""
