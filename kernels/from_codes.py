@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvcache.quant.kivi import KIVIQuantized
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
 
 from .blockwise import NEG_INF, combine, scratch
@@ -38,45 +37,55 @@ def _codes(packed: torch.Tensor, bits: int, dim: int, name: str) -> tuple[torch.
 
 def block_scores(q: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
     """Scores `[B, H, M, T]` of grouped, scaled queries `q` [B, H, M, D] (in the segment's key basis) against the
-    segment's keys, from their codes (`channel_scores`)."""
-    return channel_scores(q, seg.key_codes())
-
-
-def channel_scores(q: torch.Tensor, keys: KIVIQuantized) -> torch.Tensor:
-    """Scores `[B, H, M, T]` of `q` [B, H, M, D] against keys coded per channel (`keys`, D channels): one small matmul
-    per key group with the query times the group's scales, plus the query times the group's zeros."""
-    b, h, m, d = q.shape
-    t, g = keys.codes.shape[2], keys.group_size
-    codes, shifted = _codes(keys.codes, keys.bits, d, "codes_k")
-    scale = keys.scale.float()  # [B, H, G, D]
+    segment's keys, from their codes."""
+    codes, shifted = _codes(seg.k_codes, seg.k_bits, q.shape[-1], "codes_k")
+    scale = seg.k_scale.float()  # [B, H, G, D]
     if shifted:
-        scale = scale * lane_factors(keys.bits, d, q.device)
+        scale = scale * lane_factors(seg.k_bits, q.shape[-1], q.device)
+    return scores_of_codes(q, codes, scale, seg.k_zero.float(), seg.k_group)
+
+
+def scores_of_codes(q: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    group: int) -> torch.Tensor:
+    """Scores `[B, H, M, T]` of `q` [B, H, M, D] against keys `codes * scale + zero` quantized per channel in groups
+    of `group` tokens (`codes` float `[B, H, T, D]`, `scale` and `zero` float `[B, H, T // group, D]`): one small
+    matmul per key group with the query times the group's scales, plus the query times the group's zeros."""
+    b, h, m, d = q.shape
+    t = codes.shape[2]
     qs = q.unsqueeze(2) * scale.unsqueeze(3)  # [B, H, G, M, D]
-    bias = torch.matmul(keys.zero.float(), q.transpose(-1, -2))  # [B, H, G, M]
-    s = torch.baddbmm(bias.view(-1, m, 1), qs.view(-1, m, d), codes.view(-1, g, d).transpose(1, 2))
-    return s.view(b, h, -1, m, g).transpose(2, 3).reshape(b, h, m, t)
+    bias = torch.matmul(zero, q.transpose(-1, -2))  # [B, H, G, M]
+    s = torch.baddbmm(bias.view(-1, m, 1), qs.view(-1, m, d), codes.view(-1, group, d).transpose(1, 2))
+    return s.view(b, h, -1, m, group).transpose(2, 3).reshape(b, h, m, t)
 
 
 def block_values(p: torch.Tensor, seg: QuantSegment) -> torch.Tensor:
     """`p` [B, H, M, T] (unnormalized probabilities) times the segment's values, from their codes: [B, H, M, D]."""
-    return token_values(p, seg.value_codes())
+    d, vg = seg.head_dim, seg.v_group
+    codes, shifted = _codes(seg.v_codes, seg.v_bits, d, "codes_v")
+    factors = lane_factors(seg.v_bits, d, p.device) if shifted else None
+    bounds = [(j * vg, (j + 1) * vg) for j in range(d // vg)]
+    return values_of_codes(p, codes, seg.v_scale.float(), seg.v_zero.float(), bounds, factors)
 
 
-def token_values(p: torch.Tensor, values: KIVIQuantized) -> torch.Tensor:
-    """`p` [B, H, M, T] times values coded per token in groups of `values.group_size` channels (scale and zero
-    `[B, H, T, D // group]`): one matmul per group with the probabilities times the scales, plus one with the zeros.
+def values_of_codes(p: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+                    bounds: list[tuple[int, int]], factors: torch.Tensor | None = None) -> torch.Tensor:
+    """`p` [B, H, M, T] times values `codes * scale + zero` quantized per token in groups of channels (`codes` float
+    `[B, H, T, D]` times `factors` [D] when given; group `j` is channels `bounds[j]`, its scale and zero float
+    `[B, H, T, j]`): one matmul per group with the probabilities times its scales, plus one with the zeros.
     Returns `[B, H, M, D]`."""
     b, h, m, t = p.shape
-    d, vg = values.dim, values.group_size
-    codes, shifted = _codes(values.codes, values.bits, d, "codes_v")
-    scale, zero = values.scale.float().transpose(-1, -2), values.zero.float()  # [B, H, J, T], [B, H, T, J]
-    out = torch.empty(b, h, m, d, dtype=p.dtype, device=p.device)
-    for j in range(scale.shape[-2]):  # one matmul per value group (one in all when a group spans the head)
-        cols = slice(j * vg, (j + 1) * vg)
-        torch.matmul(p * scale[..., j : j + 1, :], codes[..., cols], out=out[..., cols])
-    if shifted:
-        out.mul_(lane_factors(values.bits, d, p.device))
-    return out.add_(torch.matmul(p, zero).repeat_interleave(vg, -1))
+    out = torch.empty(b, h, m, codes.shape[-1], dtype=p.dtype, device=p.device)
+    scale = scale.transpose(-1, -2)  # [B, H, J, T]
+    for j, (lo, hi) in enumerate(bounds):  # one matmul per value group (one in all when a group spans the head)
+        torch.matmul(p * scale[..., j : j + 1, :], codes[..., lo:hi], out=out[..., lo:hi])
+    if factors is not None:
+        out.mul_(factors)
+    zeros = torch.matmul(p, zero)  # [B, H, M, J]
+    sizes = {hi - lo for lo, hi in bounds}
+    if len(sizes) == 1:
+        return out.add_(zeros.repeat_interleave(sizes.pop(), -1))
+    widths = torch.tensor([hi - lo for lo, hi in bounds], device=p.device)
+    return out.add_(zeros.repeat_interleave(widths, -1))
 
 
 # a block's largest float32 buffers (the unpacked codes [B, H, block, D], the scores and the scaled queries, both of

@@ -9,8 +9,8 @@ probabilities weight the coefficients, and the basis comes out once a step,
 
 so a token costs `rank` multiply-adds, not `head_dim x rank`. Keys coded as the model hands them over fold the query
 into the basis once a step, `q . k[t] = ((q @ B_k) * sigma_k) . z_k[t] + q . mean_k`, and each subspace of directions
-(its own width, per-direction scales over token groups) is scored from its codes like a KIVI key group
-(`from_codes.channel_scores`). Pre-RoPE keys cannot fold (RoPE turns each position by its own angle between the basis
+(its own width) is unpacked into one buffer and scored with the per-direction scales like KIVI keys
+(`from_codes.scores_of_codes`). Pre-RoPE keys cannot fold (RoPE turns each position by its own angle between the basis
 and the query): they are rebuilt block by block, RoPE put back, and dotted. Blocks of tokens as in `from_codes`.
 """
 
@@ -18,12 +18,26 @@ from __future__ import annotations
 
 import torch
 
-from hf_kvcache.quant.kivi import KIVIQuantized
+from hf_kvcache.quant.packing import lane_factors, unpack_lanes
 from hf_kvcache.quant.subspace import SubspaceRows, dequantize_subspace_rows, gaussian_step
 
-from .blockwise import combine
-from .from_codes import _masked, blocks, channel_scores, token_values
+from .blockwise import combine, scratch
+from .from_codes import _masked, blocks, scores_of_codes, values_of_codes
 from .segments import SubspaceSegment
+
+
+def _unpacked(rows: SubspaceRows, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every subspace's codes, each at its own width, as float32 `[B, H, T, rank]` in this thread's scratch `name`,
+    and the lane factors `[rank]` to multiply them by (`quant.packing.unpack_lanes`)."""
+    parts = rows.split()
+    b, h, t, _ = rows.codes.shape
+    out = scratch(name, b * h * t * rows.rank, torch.float32, rows.codes.device).view(b, h, t, rows.rank)
+    factors = []
+    for codes, (lo, hi), bits in zip(parts.codes, parts.bounds, parts.bits):
+        work = scratch("lanes", codes.numel() * 8 // bits, torch.uint8, codes.device)
+        _, shifted = unpack_lanes(codes, bits, hi - lo, out[..., lo:hi], work=work)
+        factors.append(lane_factors(bits, hi - lo, codes.device) if shifted else torch.ones(hi - lo, device=codes.device))
+    return out, torch.cat(factors)
 
 
 def subspace_scores(q: torch.Tensor, seg: SubspaceSegment) -> torch.Tensor:
@@ -33,24 +47,20 @@ def subspace_scores(q: torch.Tensor, seg: SubspaceSegment) -> torch.Tensor:
         return torch.matmul(q, keys.transpose(-1, -2))
     k, basis = seg.keys, seg.keys.basis
     folded = torch.matmul(q, basis.basis[:, :, : k.rank].float()) * basis.sigma[:, None, : k.rank].float()
-    s = torch.matmul(q, basis.mean.float().unsqueeze(-1))  # [B, H, M, 1]: q . mean, the same for every token
-    parts = k.split()
-    for i, ((lo, hi), bits) in enumerate(zip(parts.bounds, parts.bits)):
-        sub = KIVIQuantized(parts.codes[i], parts.scale[i], parts.zero[i], bits, k.token_group, "channel", hi - lo)
-        s = s + channel_scores(folded[..., lo:hi].contiguous(), sub)
-    return s
+    codes, factors = _unpacked(k, "codes_k")
+    s = scores_of_codes(folded, codes, k.scale.float() * factors, k.zero.float(), k.token_group)
+    return s + torch.matmul(q, basis.mean.float().unsqueeze(-1))  # + q . mean, the same for every token
 
 
 def subspace_coefficients(p: torch.Tensor, values: SubspaceRows) -> torch.Tensor:
     """`p` [B, H, M, T] (unnormalized probabilities) times the values' quantized coefficients: `[B, H, M, rank]`
-    (whitened: multiply by sigma and the basis to get values). Each subspace is per-token codes with one scale, read
-    as a KIVI value group (scale `s * step`, zero `-(levels / 2 - 1/2) * s * step`)."""
-    parts, out = values.split(), []
-    for i, ((lo, hi), bits) in enumerate(zip(parts.bounds, parts.bits)):
-        step = parts.scale[i].float() * gaussian_step(bits)  # [B, H, T, 1]
-        zero = step * -(2 ** bits // 2 - 0.5)
-        out.append(token_values(p, KIVIQuantized(parts.codes[i], step, zero, bits, hi - lo, "token", hi - lo)))
-    return torch.cat(out, -1)
+    (whitened: multiply by sigma and the basis to get values). Each subspace holds per-token codes with one scale,
+    read as a value group of that scale times the width's step and of zero `-(levels / 2 - 1/2)` steps."""
+    codes, factors = _unpacked(values, "codes_v")
+    steps = torch.tensor([gaussian_step(bits) for bits in values.bits], device=p.device)
+    mids = torch.tensor([2 ** bits // 2 - 0.5 for bits in values.bits], device=p.device)
+    scale = values.scale.float() * steps  # [B, H, T, subspaces]
+    return values_of_codes(p, codes, scale, -scale * mids, list(values.bounds), factors)
 
 
 def subspace_partial(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | None, block: int | None = None):
