@@ -102,7 +102,8 @@ class TieredQuantOptions(CacheOptions):
       `caches.tiered.calibration.MIN_FIT_POSITIONS_PER_DIM` positions per head dimension); the choice is in the
       layer's recipe (`cache.recipes()`), and the chosen format is fitted as usual on what the layer archives.
       Without queries, `archive_quantizer`. None / []: no choice. Sliding-window layers take it only from `sliding`.
-      A subspace or KVQuant archive is not read in place by the fused attention (it is dequantized at every step)
+      The fused attention reads a subspace archive in place (pre-RoPE keys rebuilt at every step, post-RoPE ones
+      folded into the query, see subspace_prerope); a KVQuant archive is dequantized at every step
     - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
       this many positions and is fitted on all of them (they stay at warm_bits until then; 0: fitted on the first
       archive group and the warm tier after it). A basis or codebook fitted once on a few hundred positions of a
@@ -113,7 +114,8 @@ class TieredQuantOptions(CacheOptions):
       directions by the fitted variances (reverse water-filling: leading directions get more bits, trailing ones
       may get none and are dropped); False: archive_bits for every direction
     - subspace_prerope: subspace archive keys fitted and quantized before RoPE (undone with the model's RoPE, as
-      the KVQuant archive does) or, False, as the model hands them over (post-RoPE)
+      the KVQuant archive does) or, False, as the model hands them over (post-RoPE: the fused attention then scores
+      them from their coefficients: about head_dim times fewer multiply-adds a key than rebuilding pre-RoPE keys)
     - adaptive_boundaries / adaptive_formats / adaptive_bits: the adaptive archive's switch positions (increasing),
       and the format names ("kivi", "subspace", "kvquant") and widths (1..8), one more than boundaries
     - key_axis: "channel" (KIVI) or "token" (ablation: keys quantized per token like values)
