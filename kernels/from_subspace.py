@@ -36,7 +36,8 @@ def _unpacked(rows: SubspaceRows, name: str) -> tuple[torch.Tensor, torch.Tensor
     for codes, (lo, hi), bits in zip(parts.codes, parts.bounds, parts.bits):
         work = scratch("lanes", codes.numel() * 8 // bits, torch.uint8, codes.device)
         _, shifted = unpack_lanes(codes, bits, hi - lo, out[..., lo:hi], work=work)
-        factors.append(lane_factors(bits, hi - lo, codes.device) if shifted else torch.ones(hi - lo, device=codes.device))
+        ones = torch.ones(hi - lo, device=codes.device)
+        factors.append(lane_factors(bits, hi - lo, codes.device) if shifted else ones)
     return out, torch.cat(factors)
 
 

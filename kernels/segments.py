@@ -170,7 +170,8 @@ class SubspaceSegment:
         return SubspaceSegment(self.keys.slice(start, stop), self.values.slice(start, stop), self.rope,
                                self.start + start)
 
-    def dequantize(self, dtype: torch.dtype = torch.float32, unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def dequantize(self, dtype: torch.dtype = torch.float32,
+                   unrotate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (RoPE put back when pre-RoPE) and values `[B, H, T, D]` in `dtype` (`unrotate`: the segment
         interface's flag; the bases are always undone)."""
         keys = dequantize_subspace_rows(self.keys)
