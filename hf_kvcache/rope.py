@@ -65,23 +65,23 @@ class KeyRotation:
             )
         return cls(inv_freq, scaling)
 
-    def _cos_sin(self, start: int, n: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        pos = torch.arange(start, start + n, dtype=torch.float32, device=device)
-        freqs = pos.unsqueeze(1) * self.inv_freq.to(device)
-        cos, sin = freqs.cos(), freqs.sin()  # each angle once: the two halves of the head share them
-        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
-
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Apply RoPE to `x` `[..., T, D]` whose tokens sit at positions start..start+T-1 (fp32 result)."""
-        cos, sin = self._cos_sin(start, x.shape[-2], x.device)
-        x = x.float()
-        return (x * cos + rotate_half(x) * sin) * self.scaling
+        return self._scaled(self._turn_at(x, self._positions(start, x), 1.0))
 
     def derotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Undo `rotate` (fp32 result)."""
-        cos, sin = self._cos_sin(start, x.shape[-2], x.device)
-        x = x.float()
-        return (x * cos - rotate_half(x) * sin) / self.scaling
+        return self._scaled(self._turn_at(x, self._positions(start, x), -1.0), divide=True)
+
+    @staticmethod
+    def _positions(start: int, x: torch.Tensor) -> torch.Tensor:
+        return torch.arange(start, start + x.shape[-2], dtype=torch.float32, device=x.device)
+
+    def _scaled(self, x: torch.Tensor, divide: bool = False) -> torch.Tensor:
+        """`x` times `attention_scaling` (divided by it when `divide`), in place; nothing to do at 1."""
+        if self.scaling == 1.0:
+            return x
+        return x.div_(self.scaling) if divide else x.mul_(self.scaling)
 
     def rotate_at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Apply RoPE to `x [..., D]` whose vectors sit at `positions` (x's shape without D, or broadcastable to it;
