@@ -20,6 +20,8 @@ tokens (a multiple of the key group), so the scratch is O(block) whatever the ca
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
@@ -119,23 +121,36 @@ def quant_partial_codes(q: torch.Tensor, seg: QuantSegment, mask: torch.Tensor |
     """Softmax partial (row max, row sum, unnormalized output; see `blockwise.combine`) of grouped, scaled queries
     `q` [B, H, M, D] (in the segment's key basis) over the segment, from its codes; the output is in the segment's
     value basis. `mask`: [B|1, 1, M|1, T] boolean (True = attend) or None."""
-    state = None
-    for start, stop, part in blocks(seg, q.shape[2], block):
-        s = _masked(block_scores(q, part), mask, start, stop)
-        mx = s.amax(-1)
-        m_safe = torch.where(torch.isinf(mx), 0.0, mx)
-        p = s.sub_(m_safe.unsqueeze(-1)).exp_()
-        res = (mx, p.sum(-1), block_values(p, part))
-        state = res if state is None else combine(state, res)
-    return state
+    return blockwise_partial(q, seg, mask, block, block_scores, block_values)
 
 
 def quant_mass_codes(q: torch.Tensor, seg: QuantSegment, mask: torch.Tensor | None, lse: torch.Tensor,
                      block: int | None = None) -> torch.Tensor:
     """Attention probability of each key of the segment (`lse` [B, H, M]: the rows' log-sum-exp over all keys),
     summed over the rows: [B, H, T]."""
+    return blockwise_mass(q, seg, mask, lse, block, block_scores)
+
+
+def blockwise_partial(q: torch.Tensor, seg, mask: torch.Tensor | None, block: int | None,
+                      scores: Callable, values: Callable):
+    """The softmax partial of `q` over `seg`, block by block (`blocks`): `scores(q, part)` `[B, H, M, n]` and
+    `values(p, part)` (the unnormalized probabilities times the part's values), merged by log-sum-exp."""
+    state = None
+    for start, stop, part in blocks(seg, q.shape[2], block):
+        s = _masked(scores(q, part), mask, start, stop)
+        mx = s.amax(-1)
+        m_safe = torch.where(torch.isinf(mx), 0.0, mx)
+        p = s.sub_(m_safe.unsqueeze(-1)).exp_()
+        res = (mx, p.sum(-1), values(p, part))
+        state = res if state is None else combine(state, res)
+    return state
+
+
+def blockwise_mass(q: torch.Tensor, seg, mask: torch.Tensor | None, lse: torch.Tensor, block: int | None,
+                   scores: Callable) -> torch.Tensor:
+    """The attention probability of each key of `seg`, block by block (`scores(q, part)`), summed over the rows."""
     cols = []
     for start, stop, part in blocks(seg, q.shape[2], block):
-        s = _masked(block_scores(q, part), mask, start, stop)
+        s = _masked(scores(q, part), mask, start, stop)
         cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
     return torch.cat(cols, -1)

@@ -21,8 +21,8 @@ import torch
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
 from hf_kvcache.quant.subspace import SubspaceRows, dequantize_subspace_rows, gaussian_step
 
-from .blockwise import combine, scratch
-from .from_codes import _masked, blocks, scores_of_codes, values_of_codes
+from .blockwise import scratch
+from .from_codes import blockwise_mass, blockwise_partial, scores_of_codes, values_of_codes
 from .segments import SubspaceSegment
 
 
@@ -67,15 +67,8 @@ def subspace_coefficients(p: torch.Tensor, values: SubspaceRows) -> torch.Tensor
 def subspace_partial(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | None, block: int | None = None):
     """Softmax partial (row max, row sum, unnormalized output `[B, H, M, D]` in the model's basis) of grouped, scaled
     queries `q` [B, H, M, D] over the segment. `mask`: [B|1, 1, M|1, T] boolean (True = attend) or None."""
-    state = None
-    for start, stop, part in blocks(seg, q.shape[2], block):
-        s = _masked(subspace_scores(q, part), mask, start, stop)
-        mx = s.amax(-1)
-        m_safe = torch.where(torch.isinf(mx), 0.0, mx)
-        p = s.sub_(m_safe.unsqueeze(-1)).exp_()
-        res = (mx, p.sum(-1), subspace_coefficients(p, part.values))
-        state = res if state is None else combine(state, res)
-    m, l, coeff = state
+    m, l, coeff = blockwise_partial(q, seg, mask, block, subspace_scores,
+                                    lambda p, part: subspace_coefficients(p, part.values))
     v = seg.values
     basis = v.basis.basis[:, :, : v.rank].float()  # [H, D, r]
     acc = torch.matmul(coeff * v.basis.sigma[:, None, : v.rank].float(), basis.transpose(-1, -2))
@@ -86,8 +79,4 @@ def subspace_mass(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | No
                   block: int | None = None) -> torch.Tensor:
     """Attention probability of each key of the segment (`lse` [B, H, M]: the rows' log-sum-exp over all keys),
     summed over the rows: [B, H, T]."""
-    cols = []
-    for start, stop, part in blocks(seg, q.shape[2], block):
-        s = _masked(subspace_scores(q, part), mask, start, stop)
-        cols.append(s.sub_(lse.unsqueeze(-1)).exp_().sum(2))
-    return torch.cat(cols, -1)
+    return blockwise_mass(q, seg, mask, lse, block, subspace_scores)

@@ -165,6 +165,10 @@ class SubspaceSegment:
     def head_dim(self) -> int:
         return self.keys.basis.dim
 
+    def nbytes(self) -> int:
+        """Bytes the attention reads: codes, scales and zeros of both, and their bases."""
+        return self.keys.nbytes + self.values.nbytes
+
     def slice(self, start: int, stop: int) -> "SubspaceSegment":
         """Tokens [start, stop); `start` a multiple of the keys' token group (`stop` too, or the end)."""
         return SubspaceSegment(self.keys.slice(start, stop), self.values.slice(start, stop), self.rope,

@@ -24,6 +24,27 @@ def forward(model, attn, token, cache):
     return model(token, past_key_values=cache, use_cache=True).logits[:, -1].float()
 
 
+def fused_against_dequantize(model, ids, cache, steps: int) -> float:
+    """Greedy decoding of `steps` tokens after `ids` through the fused attention over `cache` (bound here); at every
+    step a copy of the cache read through dequantize + SDPA gives the reference logits. Returns the largest logit
+    difference. Both paths read the same cache state at every step, so the comparison isolates the attention: two
+    free-running generations drift apart once a tiny difference flips a 2-bit code of a token quantized later."""
+    assert cache.bind(model)
+    worst = 0.0
+    try:
+        token = forward(model, "hf_kvcache", ids, cache).argmax(-1, keepdim=True)
+        for _ in range(steps):
+            reference_cache = copy.deepcopy(cache)
+            reference_cache.unbind()
+            ref = forward(model, "sdpa", token, reference_cache)
+            fused = forward(model, "hf_kvcache", token, cache)
+            worst = max(worst, float((fused - ref).abs().max()))
+            token = fused.argmax(-1, keepdim=True)
+    finally:
+        model.set_attn_implementation("sdpa")
+    return worst
+
+
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the attention calls the fused kernel served."""
@@ -35,26 +56,12 @@ def fused_calls(monkeypatch):
 
 @torch.no_grad()
 def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text, fused_calls):
-    """Both paths read the same cache state at every step (a copy of the fused cache, read through dequantize +
-    SDPA), so the comparison isolates the attention: two free-running generations drift apart once a tiny difference
-    flips a 2-bit code of a token quantized later."""
+    """Both paths read the same cache state at every step (`fused_against_dequantize`)."""
     model, tok = smol
     ids = load_tokens(tok, moby_text, 5000, 130)
     cache = TieredQuantCache(config=model.config, **OPTIONS)
-    assert cache.bind(model)
-    worst = 0.0
-    try:
-        token = forward(model, "hf_kvcache", ids, cache).argmax(-1, keepdim=True)
-        for _ in range(STEPS):
-            reference_cache = copy.deepcopy(cache)
-            reference_cache.unbind()
-            ref = forward(model, "sdpa", token, reference_cache)
-            fused = forward(model, "hf_kvcache", token, cache)
-            torch.testing.assert_close(fused, ref, atol=5e-5, rtol=0)  # measured 3.6e-5 over the 300 steps
-            worst = max(worst, float((fused - ref).abs().max()))
-            token = fused.argmax(-1, keepdim=True)
-    finally:
-        model.set_attn_implementation("sdpa")
+    worst = fused_against_dequantize(model, ids, cache, STEPS)
+    assert worst < 5e-5, worst  # measured 3.6e-5 and 3.9e-5 over the 300 steps
     layers = model.config.num_hidden_layers
     assert len(fused_calls) == STEPS * layers, "the fused kernel did not serve every decode step"
     tiers = cache.layers[0].tier_tokens()
@@ -135,25 +142,14 @@ def test_fused_reads_a_subspace_archive_in_place(smol, moby_text, fused_calls, p
     from hf_kvcache.kernels.segments import SubspaceSegment
 
     model, tok = smol
-    ids = load_tokens(tok, moby_text, 5000, 130)
+    ids = load_tokens(tok, moby_text, 5000, 400)  # the archive holds positions from the first step on
     cache = TieredQuantCache(config=model.config, **OPTIONS, archive_quantizer="subspace", subspace_prerope=prerope,
                              archive_fit_positions=0)
-    assert cache.bind(model)
-    worst, steps = 0.0, 24
-    try:
-        token = forward(model, "hf_kvcache", ids, cache).argmax(-1, keepdim=True)
-        for _ in range(steps):
-            reference_cache = copy.deepcopy(cache)
-            reference_cache.unbind()
-            ref = forward(model, "sdpa", token, reference_cache)
-            fused = forward(model, "hf_kvcache", token, cache)
-            worst = max(worst, float((fused - ref).abs().max()))
-            token = fused.argmax(-1, keepdim=True)
-    finally:
-        model.set_attn_implementation("sdpa")
+    steps = 16
+    worst = fused_against_dequantize(model, ids, cache, steps)
     assert len(fused_calls) == steps * model.config.num_hidden_layers, "the fused kernel did not serve every step"
     segments = cache.layers[0].attention_segments()
     assert segments is not None and isinstance(segments[0], SubspaceSegment)
     assert (segments[0].rope is not None) == prerope
     print(f"max |fused - dequantize| logit difference, subspace archive, {steps} steps: {worst:.2e}")
-    assert worst < 5e-5, worst
+    assert worst < 5e-5, worst  # measured 3.1e-5 (pre-RoPE) and 3.2e-5 (post-RoPE)
