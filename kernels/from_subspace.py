@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
-from hf_kvcache.quant.subspace import SubspaceRows, dequantize_subspace_rows, gaussian_step
+from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 
 from .blockwise import scratch
 from .from_codes import blockwise_mass, blockwise_partial, scores_of_codes, values_of_codes
@@ -43,13 +43,17 @@ def _unpacked(rows: SubspaceRows, name: str) -> tuple[torch.Tensor, torch.Tensor
 
 def subspace_scores(q: torch.Tensor, seg: SubspaceSegment) -> torch.Tensor:
     """Scores `[B, H, M, T]` of grouped, scaled queries `q` [B, H, M, D] against the segment's keys."""
-    if seg.rope is not None:
-        keys = seg.rope.rotate(dequantize_subspace_rows(seg.keys), seg.start)
-        return torch.matmul(q, keys.transpose(-1, -2))
     k, basis = seg.keys, seg.keys.basis
-    folded = torch.matmul(q, basis.basis[:, :, : k.rank].float()) * basis.sigma[:, None, : k.rank].float()
     codes, factors = _unpacked(k, "codes_k")
-    s = scores_of_codes(folded, codes, k.scale.float() * factors, k.zero.float(), k.token_group)
+    scale, zero = k.scale.float() * factors, k.zero.float()  # [B, H, T // group, rank]
+    if seg.rope is not None:  # rebuilt: coefficients times sigma times the basis, plus the mean, RoPE put back
+        b, h, t, r = codes.shape
+        z = codes.view(b, h, t // k.token_group, k.token_group, r).mul(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
+        weights = (basis.sigma[:, : k.rank, None].float() * basis.basis[:, :, : k.rank].float().transpose(-1, -2))
+        keys = torch.matmul(z.view(b, h, t, r), weights).add_(basis.mean.float().unsqueeze(-2))
+        return torch.matmul(q, seg.rope.rotate(keys, seg.start).transpose(-1, -2))
+    folded = torch.matmul(q, basis.basis[:, :, : k.rank].float()) * basis.sigma[:, None, : k.rank].float()
+    s = scores_of_codes(folded, codes, scale, zero, k.token_group)
     return s + torch.matmul(q, basis.mean.float().unsqueeze(-1))  # + q . mean, the same for every token
 
 

@@ -497,7 +497,7 @@ def test_native_step_of_a_tiered_layer(pads, threads):
 
 @pytest.mark.parametrize("prerope", [False, True], ids=["post-rope", "pre-rope"])
 @pytest.mark.parametrize("q_len", [1, 3])
-def test_decode_attention_over_a_subspace_segment(prerope, q_len, monkeypatch):
+def test_decode_attention_over_a_subspace_segment(prerope, q_len):
     """A subspace archive read in place (keys per direction in subspaces of their own widths, values per token and
     subspace; post-RoPE keys folded into the query, pre-RoPE keys rebuilt with RoPE from the segment's first
     position): output and mass equal the dequantize-then-attend reference, over several blocks, with a padding mask
@@ -520,10 +520,6 @@ def test_decode_attention_over_a_subspace_segment(prerope, q_len, monkeypatch):
     mask[0, :, :, :7] = False  # a left-padded row
     mask[..., t:] &= torch.ones(q_len, 5, dtype=torch.bool).tril(5 - q_len)  # the tail's new tokens: causal
     ref, ref_mass = reference_attention(q, segments, mask)
-    if not prerope:  # the bases fold into the query: no key or value is ever rebuilt
-        from hf_kvcache.kernels import from_subspace
-
-        monkeypatch.setattr(from_subspace, "dequantize_subspace_rows", None)
     out, mass = decode_attention(q, segments, mask, return_mass=True, block=64)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
