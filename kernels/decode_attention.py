@@ -8,7 +8,8 @@ positions) form the rows of one tile, so KV is never repeated. On CUDA quantized
 scores and outputs from the codes with the scales folded in, `block` tokens at a time in reusable scratch (extra memory
 O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in their Triton
 kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
-decoded into the full-precision partial (as is every one when the attention mass is asked for). Every full-precision
+decoded into the full-precision partial (as is every one when the attention mass is asked for). Subspace segments (a
+tiered archive coded in fitted bases) run in the torch path of `from_subspace` on every device. Every full-precision
 piece (tail, new tokens, overlays) makes one more partial. A one-position step over one per-token segment and its
 new tokens (the uniform caches' decode step) is a single native call that attends both; on CUDA a one-position step
 over full-precision pieces alone is torch's SDPA over them joined. Full-precision overlays
