@@ -70,10 +70,12 @@ def test_fused_logits_equal_dequantize_sdpa_every_step(smol, moby_text, fused_ca
     print(f"max |fused - dequantize| logit difference over {STEPS} steps: {worst:.2e}")
 
 
+@pytest.mark.parametrize("archive", [{}, {"archive_quantizer": "subspace", "archive_fit_positions": 0}],
+                         ids=["kivi-archive", "subspace-archive"])
 @torch.no_grad()
-def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text, fused_calls):
+def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text, fused_calls, archive):
     """Two prompts of different lengths, left-padded: the fused path (with the padding mask) generates what
-    dequantize + SDPA generates."""
+    dequantize + SDPA generates (a subspace archive: its pre-RoPE keys put back at each row's cache positions)."""
     model, tok = smol
     texts = [moby_text[20000:20600], moby_text[30000:30250]]
     tok.padding_side = "left"
@@ -84,9 +86,15 @@ def test_fused_batch_with_left_padding_matches_dequantize(smol, moby_text, fused
     runs = {}
     kw = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, output_logits=True, return_dict_in_generate=True)
     # generate binds a tiered cache to the fused attention by itself and hands the model back afterwards
-    runs["hf_kvcache"] = model.generate(**batch, cache_implementation="tiered", cache_config=OPTIONS, **kw)
+    options = {**OPTIONS, **archive}
+    runs["hf_kvcache"] = model.generate(**batch, cache_implementation="tiered", cache_config=options, **kw)
     assert len(fused_calls) >= 19 * model.config.num_hidden_layers and model.config._attn_implementation == "sdpa"
-    cache = TieredQuantCache(config=model.config, **OPTIONS)
+    if archive:  # the archive the fused path read is a subspace one
+        from hf_kvcache.kernels.segments import SubspaceSegment
+
+        layer = runs["hf_kvcache"].past_key_values.layers[0]
+        assert isinstance(layer.attention_segments()[0], SubspaceSegment)
+    cache = TieredQuantCache(config=model.config, **options)
     cache.set_padding(batch.attention_mask)
     cache.reads_fused = False  # generate would bind this cache too: the reference reads dequantized tensors with SDPA
     served = len(fused_calls)
