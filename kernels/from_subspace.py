@@ -11,7 +11,8 @@ so a token costs `rank` multiply-adds, not `head_dim x rank`. Keys coded as the 
 into the basis once a step, `q . k[t] = ((q @ B_k) * sigma_k) . z_k[t] + q . mean_k`, and each subspace of directions
 (its own width) is unpacked into one buffer and scored with the per-direction scales like KIVI keys
 (`from_codes.scores_of_codes`). Pre-RoPE keys cannot fold (RoPE turns each position by its own angle between the basis
-and the query): they are rebuilt block by block, RoPE put back, and dotted. Blocks of tokens as in `from_codes`.
+and the query): they are rebuilt block by block, RoPE put back, and dotted (on the CPU in one C call,
+`native_subspace`). Blocks of tokens as in `from_codes`.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
 from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 
+from . import native_subspace
 from .blockwise import scratch
 from .from_codes import blockwise_mass, blockwise_partial, scores_of_codes, values_of_codes
 from .segments import SubspaceSegment
@@ -50,7 +52,11 @@ def subspace_scores(q: torch.Tensor, seg: SubspaceSegment) -> torch.Tensor:
         b, h, t, r = codes.shape
         z = codes.view(b, h, t // k.token_group, k.token_group, r).mul(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
         weights = (basis.sigma[:, : k.rank, None].float() * basis.basis[:, :, : k.rank].float().transpose(-1, -2))
-        keys = torch.matmul(z.view(b, h, t, r), weights).add_(basis.mean.float().unsqueeze(-2))
+        z, mean = z.view(b, h, t, r), basis.mean.float()
+        s = native_subspace.prerope_scores(q, z, weights, mean, seg.rope, seg.start)  # the key stays in L1
+        if s is not None:
+            return s
+        keys = torch.matmul(z, weights).add_(mean.unsqueeze(-2))
         return torch.matmul(q, seg.rope.rotate(keys, seg.start).transpose(-1, -2))
     folded = torch.matmul(q, basis.basis[:, :, : k.rank].float()) * basis.sigma[:, None, : k.rank].float()
     s = scores_of_codes(folded, codes, scale, zero, k.token_group)

@@ -139,9 +139,14 @@ def turned_off():
         _off.depth -= 1
 
 
+def enabled() -> bool:
+    """Whether the compiled CPU kernels may run in this thread (not `turned_off`, not `HF_KVCACHE_NATIVE=0`)."""
+    return os.environ.get("HF_KVCACHE_NATIVE", "1") != "0" and not getattr(_off, "depth", 0)
+
+
 def library() -> ctypes.CDLL | None:
     """The compiled kernel, built on first use; None (after one warning) where it cannot be built or is off."""
-    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0" or getattr(_off, "depth", 0):
+    if not enabled():
         return None
     return _build.load(_compile, "the native CPU decode kernel (the fused attention uses its torch path)")
 
@@ -329,4 +334,4 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
 
 
 __all__ = ["available", "library", "quant_partial_native", "supports", "supports_tokens", "token_partial_native",
-           "turned_off"]
+           "turned_off", "enabled"]

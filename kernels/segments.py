@@ -18,12 +18,12 @@ hold at positions `[overlay_at, overlay_at + tokens)` (full-precision attention 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from hf_kvcache.quant.kivi import KIVIQuantized, dequantize_kivi
 from hf_kvcache.quant.prerope import PreRopeKeys
+from hf_kvcache.rope import KeyRotation
 from hf_kvcache.quant.subspace import SubspaceRows, dequantize_subspace_rows
 from hf_kvcache.quant.uniform import QuantizedTensor, dequantize as dequantize_uniform
 from hf_kvcache.quant.rotation import Rotation, unrotate as unrotate_by
@@ -133,10 +133,6 @@ class TokenSegment:
         return self.key_codec.dequantize(self.keys, self.positions, dtype), values
 
 
-class RopeBack(Protocol):
-    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor: ...
-
-
 @dataclass
 class SubspaceSegment:
     """Keys and values coded in per-KV-head bases (`SubspaceRows`, `[B, H, T, ...]`; keys axis "channel", values
@@ -145,7 +141,7 @@ class SubspaceSegment:
 
     keys: SubspaceRows
     values: SubspaceRows
-    rope: RopeBack | None = None
+    rope: KeyRotation | None = None
     start: int = 0
 
     @property

@@ -1,5 +1,6 @@
 """Triton kernels under the interpreter against their torch references, and compiled for Hopper in a subprocess."""
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -495,9 +496,10 @@ def test_native_step_of_a_tiered_layer(pads, threads):
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
-@pytest.mark.parametrize("prerope", [False, True], ids=["post-rope", "pre-rope"])
-@pytest.mark.parametrize("q_len", [1, 3])
-def test_decode_attention_over_a_subspace_segment(prerope, q_len):
+@pytest.mark.parametrize("prerope,use_native", [(False, True), (True, True), (True, False)],
+                         ids=["post-rope", "pre-rope-native", "pre-rope-torch"])
+@pytest.mark.parametrize("q_len,d", [(1, 64), (3, 128)])
+def test_decode_attention_over_a_subspace_segment(prerope, use_native, q_len, d):
     """A subspace archive read in place (keys per direction in subspaces of their own widths, values per token and
     subspace; post-RoPE keys folded into the query, pre-RoPE keys rebuilt with RoPE from the segment's first
     position): output and mass equal the dequantize-then-attend reference, over several blocks, with a padding mask
@@ -507,11 +509,15 @@ def test_decode_attention_over_a_subspace_segment(prerope, q_len):
     from hf_kvcache.rope import KeyRotation
 
     g = torch.Generator().manual_seed(5)
-    b, h, t, d = 2, 2, 256, 64
+    b, h, t = 2, 2, 256
     k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
     v = torch.randn(b, h, t, d, generator=g)
     keys = quantize_subspace_rows(k, fit_subspace(k, rank=48), (4, 3, 2, 2, 2, 2), 8, axis="channel", token_group=64)
-    values = quantize_subspace_rows(v, fit_subspace(v), (3, 2), 32, axis="token")
+    if prerope and use_native:  # the compiled kernel serves this shape (where a compiler works)
+        from hf_kvcache.kernels import native_subspace
+
+        assert native_subspace.library() is not None or not native.available()[0]
+    values = quantize_subspace_rows(v, fit_subspace(v, rank=64), (3, 2), 32, axis="token")
     rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)) if prerope else None
     segments = [SubspaceSegment(keys, values, rope, start=100),
                 FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))]
@@ -520,6 +526,7 @@ def test_decode_attention_over_a_subspace_segment(prerope, q_len):
     mask[0, :, :, :7] = False  # a left-padded row
     mask[..., t:] &= torch.ones(q_len, 5, dtype=torch.bool).tril(5 - q_len)  # the tail's new tokens: causal
     ref, ref_mass = reference_attention(q, segments, mask)
-    out, mass = decode_attention(q, segments, mask, return_mass=True, block=64)
+    with contextlib.nullcontext() if use_native else native.turned_off():
+        out, mass = decode_attention(q, segments, mask, return_mass=True, block=64)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
