@@ -12,7 +12,8 @@ into the basis once a step, `q . k[t] = ((q @ B_k) * sigma_k) . z_k[t] + q . mea
 (its own width) is unpacked into one buffer and scored with the per-direction scales like KIVI keys
 (`from_codes.scores_of_codes`). Pre-RoPE keys cannot fold (RoPE turns each position by its own angle between the basis
 and the query): they are rebuilt block by block, RoPE put back, and dotted (on the CPU in one C call,
-`native_subspace`). Blocks of tokens as in `from_codes`.
+`native_subspace.prerope_scores`). Blocks of tokens as in `from_codes`. On the CPU `decode_attention` runs the whole
+partial in C instead where it serves (`native_subspace.coefficient_partial`); this path serves the rest.
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def subspace_scores(q: torch.Tensor, seg: SubspaceSegment) -> torch.Tensor:
     if seg.rope is not None:  # rebuilt: coefficients times sigma times the basis, plus the mean, RoPE put back
         b, h, t, r = codes.shape
         z = codes.view(b, h, t // k.token_group, k.token_group, r).mul(scale.unsqueeze(3)).add_(zero.unsqueeze(3))
-        weights = (basis.sigma[:, : k.rank, None].float() * basis.basis[:, :, : k.rank].float().transpose(-1, -2))
-        z, mean = z.view(b, h, t, r), basis.mean.float()
+        weights, mean = native_subspace.basis_weights(k)
+        z = z.view(b, h, t, r)
         s = native_subspace.prerope_scores(q, z, weights, mean, seg.rope, seg.start)  # the key stays in L1
         if s is not None:
             return s
@@ -74,11 +75,14 @@ def subspace_coefficients(p: torch.Tensor, values: SubspaceRows) -> torch.Tensor
     return values_of_codes(p, codes, scale, -scale * mids, list(values.bounds), factors)
 
 
-def subspace_partial(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | None, block: int | None = None):
+def subspace_partial(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | None, block: int | None = None,
+                     coefficients: tuple | None = None):
     """Softmax partial (row max, row sum, unnormalized output `[B, H, M, D]` in the model's basis) of grouped, scaled
-    queries `q` [B, H, M, D] over the segment. `mask`: [B|1, 1, M|1, T] boolean (True = attend) or None."""
-    m, l, coeff = blockwise_partial(q, seg, mask, block, subspace_scores,
-                                    lambda p, part: subspace_coefficients(p, part.values))
+    queries `q` [B, H, M, D] over the segment. `mask`: [B|1, 1, M|1, T] boolean (True = attend) or None.
+    `coefficients`: the partial with its output in the values' coefficients where a kernel computed it
+    (`native_subspace.coefficient_partial`); else computed here block by block."""
+    m, l, coeff = coefficients or blockwise_partial(q, seg, mask, block, subspace_scores,
+                                                    lambda p, part: subspace_coefficients(p, part.values))
     v = seg.values
     basis = v.basis.basis[:, :, : v.rank].float()  # [H, D, r]
     acc = torch.matmul(coeff * v.basis.sigma[:, None, : v.rank].float(), basis.transpose(-1, -2))

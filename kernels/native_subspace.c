@@ -1,10 +1,41 @@
-/* Scores of grouped queries against pre-RoPE keys rebuilt from subspace coefficients (the tiered cache's subspace
- * archive, `native_subspace.py`): for each token, key = mean + z @ W (W: the basis times sigma, [rank, D]), RoPE put
- * back with the given cos / sin of its position, then one dot per query row. A key lives in L1 for the rebuild, the
- * turn and the dots, where the torch path writes and rereads every rebuilt and turned key. */
+/* Attention over a subspace archive (the tiered cache's archive coded in fitted per-head bases, `native_subspace.py`)
+ * from its packed codes on the CPU. A key is rebuilt from its coefficients, key = mean + z @ W (W: the basis times
+ * sigma, [rank, D]), RoPE put back with the cos / sin of its position (pre-RoPE keys), and dotted with the query rows
+ * while it sits in L1; a value's coefficients are weighted by the probabilities without leaving the whitened basis
+ * (the caller multiplies the sums by sigma and the basis once). */
+
+#include <math.h>
+#include <omp.h>
+#include <stdlib.h>
+#include <stdint.h>
+#include <string.h>
+
+/* a masked score: exp gives exactly 0 without the infinities that -ffast-math excludes */
+#define NEG (-3.0e38f)
 
 #define TILE 32
 #define MAXDIM 256
+#define MAXROWS 16
+
+/* key[0:dim] = mean + sum_j z[j] w[j, :], then turned by RoPE (cos_t / sin_t: [dim / 2], or NULL: no RoPE). */
+static inline void rebuild_key(const float *z, const float *w, const float *mean, const float *cos_t,
+                               const float *sin_t, int rank, const int dim, float *key) {
+    const int half = dim / 2;
+    for (int d = 0; d < dim; d++) key[d] = mean[d];
+    for (int j = 0; j < rank; j++) {
+        const float c = z[j];
+        const float *wj = w + (long)j * dim;
+#pragma omp simd
+        for (int d = 0; d < dim; d++) key[d] += c * wj[d];
+    }
+    if (!cos_t) return;
+#pragma omp simd
+    for (int i = 0; i < half; i++) {
+        const float x1 = key[i], x2 = key[i + half];
+        key[i] = x1 * cos_t[i] - x2 * sin_t[i];
+        key[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
+    }
+}
 
 static inline void tile_scores(const float *z, const float *w, const float *mean, const float *cos_t,
                                const float *sin_t, const float *q, float *out, int tokens, int rank, int rows,
@@ -12,21 +43,7 @@ static inline void tile_scores(const float *z, const float *w, const float *mean
     const int half = dim / 2;
     float key[MAXDIM];
     for (int t = t0; t < t0 + n; t++) {
-        const float *zt = z + (long)t * rank;
-        for (int d = 0; d < dim; d++) key[d] = mean[d];
-        for (int j = 0; j < rank; j++) {
-            const float c = zt[j];
-            const float *wj = w + (long)j * dim;
-#pragma omp simd
-            for (int d = 0; d < dim; d++) key[d] += c * wj[d];
-        }
-        const float *ct = cos_t + (long)t * half, *st = sin_t + (long)t * half;
-#pragma omp simd
-        for (int i = 0; i < half; i++) {
-            const float x1 = key[i], x2 = key[i + half];
-            key[i] = x1 * ct[i] - x2 * st[i];
-            key[i + half] = x2 * ct[i] + x1 * st[i];
-        }
+        rebuild_key(z + (long)t * rank, w, mean, cos_t + (long)t * half, sin_t + (long)t * half, rank, dim, key);
         for (int m = 0; m < rows; m++) {
             const float *qm = q + (long)m * dim;
             float acc = 0.f;
@@ -62,5 +79,181 @@ int subspace_rope_scores(const float *z, const float *w, const float *mean, cons
                 tile_scores(zi, wh, mh, cos_t, sin_t, qi, oi, tokens, rank, rows, t0, n, scale, dim);
         }
     }
+    return 0;
+}
+
+/* ---- the whole softmax partial from the packed codes ------------------------------------------------------------
+ * A subspace's codes sit in its bytes of the token's row, code i at bit bits * i (little-endian; every width of
+ * `quant.packing` lays them out so). meta: per subspace (first direction, last + 1, bits, first byte). */
+
+static inline int code_at(const uint8_t *row, int bits, int i) {
+    const int pos = bits * i, byte = pos >> 3, shift = pos & 7;
+    unsigned v = row[byte];
+    if (shift + bits > 8) v |= (unsigned)row[byte + 1] << 8;
+    return (int)((v >> shift) & ((1u << bits) - 1));
+}
+
+/* Codes as floats: a byte of 2-bit (four) or 4-bit (two) codes, six bits of 3-bit codes (two). */
+static float lut2[256][4], lut4[256][2], lut3[64][2];
+static int lut_ready;
+
+static void fill_luts(void) {
+    if (lut_ready) return;
+    for (int b = 0; b < 256; b++) {
+        for (int k = 0; k < 4; k++) lut2[b][k] = (float)((b >> (2 * k)) & 3);
+        lut4[b][0] = (float)(b & 15), lut4[b][1] = (float)(b >> 4);
+        if (b < 64) lut3[b][0] = (float)(b & 7), lut3[b][1] = (float)(b >> 3);
+    }
+    lut_ready = 1;
+}
+
+/* out[0:n] = the n codes of `bits` bits at p (as float); the common widths a byte or a 3-byte word at a time. */
+static inline void unpack_run(const uint8_t *p, int bits, int n, float *out) {
+    int i = 0;
+    if (bits == 2) {
+        for (; i + 4 <= n; i += 4, p++) memcpy(out + i, lut2[*p], 4 * sizeof(float));
+    } else if (bits == 4) {
+        for (; i + 2 <= n; i += 2, p++) memcpy(out + i, lut4[*p], 2 * sizeof(float));
+    } else if (bits == 3) {
+        for (; i + 8 <= n; i += 8, p += 3) {
+            const unsigned v = p[0] | (unsigned)p[1] << 8 | (unsigned)p[2] << 16;
+            for (int k = 0; k < 4; k++) memcpy(out + i + 2 * k, lut3[(v >> (6 * k)) & 63], 2 * sizeof(float));
+        }
+    } else if (bits == 8) {
+        for (; i < n; i++) out[i] = (float)p[i];
+    }
+    const uint8_t *row = p - (bits * i) / 8;  /* the rest (and the other widths) one code at a time */
+    for (; i < n; i++) out[i] = (float)code_at(row, bits, i);
+}
+
+/* out[lo:hi] of each subspace = its codes (as float) of one token's row. */
+static inline void codes_of(const uint8_t *row, const int *meta, int subspaces, float *out) {
+    for (int g = 0; g < subspaces; g++)
+        unpack_run(row + meta[4 * g + 3], meta[4 * g + 2], meta[4 * g + 1] - meta[4 * g], out + meta[4 * g]);
+}
+
+struct sub_args {
+    const float *q;                  /* [bh, rows, dim] */
+    const uint8_t *kc, *vc;          /* [bh, tokens, kbytes / vbytes] */
+    const int *kmeta, *vmeta;        /* 4 ints a subspace */
+    const float *kscale, *kzero;     /* [bh, tokens / kgroup, krank] (lane factors not needed: codes read exact) */
+    const float *w, *mean;           /* [heads, krank, dim], [heads, dim] */
+    const float *cos_t, *sin_t;      /* [tokens, dim / 2] or NULL */
+    const float *vscale, *vmid;      /* [bh, tokens, vsub] (times the width's step), [vsub] */
+    const uint8_t *valid;            /* [batch, tokens] or NULL */
+    int heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup, per;
+    float scale;
+};
+
+/* One task: rows of head bh over tokens [t0, t0 + n); writes mx[rows], sum[rows], acc[rows, vrank]; s: rows x per. */
+static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, float *mx, float *sum, float *acc,
+                     float *wg, const int dim) {
+    const int h = bh % a->heads, b = bh / a->heads, half = dim / 2, R = a->rows, rank = a->krank;
+    const float *q = a->q + (long)bh * R * dim, *w = a->w + (long)h * rank * dim, *mean = a->mean + (long)h * dim;
+    const uint8_t *valid = a->valid ? a->valid + (long)b * a->tokens : 0;
+    float z[MAXDIM], key[MAXDIM], mg[MAXDIM], m[MAXROWS];
+    for (int r = 0; r < R; r++) m[r] = NEG;
+    for (int t = t0; t < t0 + n; t++) {
+        float *st = s + (t - t0);
+        if (t == t0 || t % a->kgroup == 0) {  /* a key group: its scales into the basis (wg), its zeros into the mean */
+            const long g = ((long)bh * (a->tokens / a->kgroup) + t / a->kgroup) * rank;
+            const float *ks = a->kscale + g, *kz = a->kzero + g;
+            for (int d = 0; d < dim; d++) mg[d] = mean[d];
+            for (int j = 0; j < rank; j++) {
+                const float *wj = w + (long)j * dim;
+                float *gj = wg + (long)j * dim;
+#pragma omp simd
+                for (int d = 0; d < dim; d++) gj[d] = ks[j] * wj[d], mg[d] += kz[j] * wj[d];
+            }
+        }
+        if (valid && !valid[t]) {
+            for (int r = 0; r < R; r++) st[(long)r * a->per] = NEG;
+            continue;
+        }
+        codes_of(a->kc + ((long)bh * a->tokens + t) * a->kbytes, a->kmeta, a->ksub, z);
+        rebuild_key(z, wg, mg, a->cos_t ? a->cos_t + (long)t * half : 0, a->sin_t ? a->sin_t + (long)t * half : 0,
+                    rank, dim, key);
+        for (int r = 0; r < R; r++) {
+            const float *qr = q + (long)r * dim;
+            float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+            for (int d = 0; d < dim; d++) dot += qr[d] * key[d];
+            dot *= a->scale;
+            st[(long)r * a->per] = dot;
+            if (dot > m[r]) m[r] = dot;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float *sr = s + (long)r * a->per, l = 0.f;
+        const float base = m[r] <= 0.5f * NEG ? 0.f : m[r];
+        for (int t = 0; t < n; t++) {
+            const float p = expf(sr[t] - base);
+            sr[t] = p;
+            l += p;
+        }
+        mx[r] = m[r];
+        sum[r] = l;
+        for (int j = 0; j < a->vrank; j++) acc[(long)r * a->vrank + j] = 0.f;
+    }
+    float c[MAXDIM];
+    for (int t = t0; t < t0 + n; t++) {
+        if (valid && !valid[t]) continue;
+        codes_of(a->vc + ((long)bh * a->tokens + t) * a->vbytes, a->vmeta, a->vsub, c);
+        const float *vs = a->vscale + ((long)bh * a->tokens + t) * a->vsub;
+        for (int g = 0; g < a->vsub; g++) {
+            const int lo = a->vmeta[4 * g], hi = a->vmeta[4 * g + 1];
+            const float mid = a->vmid[g];
+            for (int i = lo; i < hi; i++) c[i] = (c[i] - mid) * vs[g];
+        }
+        for (int r = 0; r < R; r++) {
+            const float p = s[(long)r * a->per + (t - t0)];
+            float *ar = acc + (long)r * a->vrank;
+#pragma omp simd
+            for (int j = 0; j < a->vrank; j++) ar[j] += p * c[j];
+        }
+    }
+}
+
+/* The softmax partial of rows q [bh, rows, dim] over every token, in `chunks` chunks of `per` tokens per (b, h):
+ * mx (NEG where every key is masked), sum [bh, chunks, rows], acc [bh, chunks, rows, vrank] (the probabilities times
+ * the values' whitened coefficients, unnormalized), work [bh, chunks, rows, per]; `per` a multiple of kgroup.
+ * Returns 0, -1 for a shape it does not take, -2 when out of memory. */
+int subspace_partial(const float *q, int bh, int heads, int tokens, int dim, int rows,
+                     const uint8_t *kc, int kbytes, const int *kmeta, int ksub, int krank, int kgroup,
+                     const float *kscale, const float *kzero, const float *w, const float *mean,
+                     const float *cos_t, const float *sin_t, float scale,
+                     const uint8_t *vc, int vbytes, const int *vmeta, int vsub, int vrank,
+                     const float *vscale, const float *vmid, const uint8_t *valid,
+                     int chunks, int per, float *mx, float *sum, float *acc, float *work, int threads) {
+    if (dim % 2 || dim > MAXDIM || krank > MAXDIM || vrank > MAXDIM || rows > MAXROWS || kgroup <= 0 ||
+        tokens % kgroup)
+        return -1;
+    fill_luts();  /* before the threads start (they only read it) */
+    /* each thread's copy of a key group's scaled basis */
+    float *wbuf = malloc(sizeof(float) * (size_t)threads * (krank > 0 ? krank : 1) * dim);
+    if (!wbuf) return -2;
+    struct sub_args a = {q, kc, vc, kmeta, vmeta, kscale, kzero, w, mean, cos_t, sin_t, vscale, vmid, valid,
+                         heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup, per, scale};
+#pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
+    for (int i = 0; i < bh; i++) {
+        for (int k = 0; k < chunks; k++) {
+            const int t0 = k * per, n = tokens - t0 < per ? tokens - t0 : per;
+            const long slot = (long)i * chunks + k;
+            float *s = work + slot * rows * per, *mo = mx + slot * rows, *so = sum + slot * rows;
+            float *ao = acc + slot * rows * vrank, *wg = wbuf + (long)omp_get_thread_num() * krank * dim;
+            if (n <= 0) {
+                for (int r = 0; r < rows; r++) mo[r] = NEG, so[r] = 0.f;
+                for (int j = 0; j < rows * vrank; j++) ao[j] = 0.f;
+            } else if (dim == 64)
+                sub_task(&a, i, t0, n, s, mo, so, ao, wg, 64);
+            else if (dim == 128)
+                sub_task(&a, i, t0, n, s, mo, so, ao, wg, 128);
+            else if (dim == 256)
+                sub_task(&a, i, t0, n, s, mo, so, ao, wg, 256);
+            else
+                sub_task(&a, i, t0, n, s, mo, so, ao, wg, dim);
+        }
+    }
+    free(wbuf);
     return 0;
 }

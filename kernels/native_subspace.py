@@ -1,6 +1,9 @@
-"""Scores against a subspace archive's pre-RoPE keys on the CPU in one C call (`native_subspace.c`): each key rebuilt
-from its coefficients, turned by RoPE and dotted with the query rows while it sits in L1 (the torch path of
-`from_subspace` writes and rereads every rebuilt and turned key). Built like the decode kernel
+"""Attention over a subspace archive on the CPU in one C call (`native_subspace.c`). `coefficient_partial`: the whole
+softmax partial from the packed codes (each key's coefficients unpacked, rebuilt into the model's key, turned by RoPE
+when pre-RoPE and dotted with the query rows while it sits in L1; the values' coefficients weighted by the
+probabilities in their whitened basis); `prerope_scores`: the scores alone from dequantized coefficients (the torch
+path's blocks and the attention mass). The torch path of `from_subspace` writes and rereads every unpacked code and
+rebuilt key. Built like the decode kernel
 (`native.compile_library`, -O3 -march=native -ffast-math -fopenmp); the angles' cos and sin come from torch
 (`KeyRotation.cos_sin_at`), so RoPE is the torch path's. Unavailable (None from `prerope_scores`) where no compiler
 works, off the CPU, with `HF_KVCACHE_NATIVE=0` or inside `native.turned_off()`; callers then keep the torch path.
@@ -9,20 +12,28 @@ works, off the CPU, with `HF_KVCACHE_NATIVE=0` or inside `native.turned_off()`; 
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 import threading
 from pathlib import Path
 
 import torch
 
+from hf_kvcache.quant.packing import packed_length
+from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 from hf_kvcache.rope import KeyRotation
 
-from .native import FLAGS, _Build, compile_library, enabled
+from .blockwise import scratch
+from .native import CHUNK_TOKENS, FLAGS, _Build, compile_library, enabled
+from .segments import SubspaceSegment
 
 SOURCE = Path(__file__).with_name("native_subspace.c")
 MAX_DIM = 256
+MAX_ROWS = 16  # query rows per KV head the kernel takes (grouped heads x positions)
+NEG = -3.0e38  # the kernel's score of a masked key (no infinities under -ffast-math)
 
 _build = _Build()
-_last_angles = threading.local()  # (rope, start, tokens, cos, sin): the layers of one decode step share them
+_tables = threading.local()  # {id(rope): (rope, cos, sin)} of positions 0..: see `_angles`
 
 
 def library() -> ctypes.CDLL | None:
@@ -37,19 +48,27 @@ def _compile() -> ctypes.CDLL:
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.subspace_rope_scores.restype = i
     lib.subspace_rope_scores.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
+    lib.subspace_partial.restype = i
+    lib.subspace_partial.argtypes = [p, i, i, i, i, i, p, i, p, i, i, i, p, p, p, p, p, p, ctypes.c_float,
+                                     p, i, p, i, i, p, p, p, i, i, p, p, p, p, i]
     return lib
 
 
 def _angles(rope: KeyRotation, start: int, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[tokens, D / 2]` of positions `start..`; the last table is reused while the same RoPE asks for the
-    same positions (the layers of one decode step)."""
-    last = getattr(_last_angles, "value", None)
-    if last is not None and last[0] is rope and last[1:3] == (start, tokens):
-        return last[3], last[4]
-    positions = torch.arange(start, start + tokens, dtype=torch.float32)
-    cos, sin = (t.contiguous() for t in rope.cos_sin_at(positions))
-    _last_angles.value = (rope, start, tokens, cos, sin)
-    return cos, sin
+    """cos and sin `[tokens, D / 2]` of positions `start..` (contiguous row slices of this thread's table of positions
+    `0..`, kept per RoPE object and grown to the next power of two when a layer asks past its end: the layers of a
+    step and the steps of a decode share it; the same numbers as computed for these positions alone)."""
+    tables = getattr(_tables, "value", None)
+    if tables is None:
+        tables = _tables.value = {}
+    held = tables.get(id(rope))
+    if held is None or held[0] is not rope or held[1].shape[0] < start + tokens:
+        if len(tables) >= 4:  # a few RoPEs per model (one per layer type); drop the tables of earlier models
+            tables.clear()
+        n = 1 << max(start + tokens - 1, 1).bit_length()
+        positions = torch.arange(n, dtype=torch.float32)
+        held = tables[id(rope)] = (rope, *(t.contiguous() for t in rope.cos_sin_at(positions)))
+    return held[1][start : start + tokens], held[2][start : start + tokens]
 
 
 def prerope_scores(q: torch.Tensor, coefficients: torch.Tensor, weights: torch.Tensor, mean: torch.Tensor,
@@ -81,3 +100,89 @@ def prerope_scores(q: torch.Tensor, coefficients: torch.Tensor, weights: torch.T
     if rc:
         raise RuntimeError(f"native subspace kernel failed ({rc}) for head_dim {d}")
     return out
+
+
+@functools.lru_cache(maxsize=64)
+def _layout(bounds: tuple, bits: tuple, row_bytes: int) -> torch.Tensor:
+    """int32 `[subspaces * 4]`: each subspace's first direction, last + 1, bits and first byte in a token's row."""
+    meta, byte = [], 0
+    for (lo, hi), width in zip(bounds, bits):
+        meta += [lo, hi, width, byte]
+        byte += packed_length(hi - lo, width)
+    if byte != row_bytes:
+        raise RuntimeError(f"subspace codes of {row_bytes} bytes a token, the layout says {byte}")
+    return torch.tensor(meta, dtype=torch.int32)
+
+
+@functools.lru_cache(maxsize=64)
+def _value_levels(bits: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per value subspace: the step of its width and its middle code (`from_subspace.subspace_coefficients`)."""
+    return (torch.tensor([gaussian_step(width) for width in bits]),
+            torch.tensor([2**width // 2 - 0.5 for width in bits]))
+
+
+def basis_weights(rows: SubspaceRows) -> tuple[torch.Tensor, torch.Tensor]:
+    """The basis times sigma `[H, rank, D]` and the mean `[H, D]`, float32 and contiguous."""
+    basis = rows.basis
+    w = basis.sigma[:, : rows.rank, None].float() * basis.basis[:, :, : rows.rank].float().transpose(-1, -2)
+    return w.contiguous(), basis.mean.float().contiguous()
+
+
+def serves(q: torch.Tensor, seg: SubspaceSegment) -> bool:
+    """Whether `coefficient_partial` has a variant for the shape (the kernel may still be unavailable)."""
+    b, h, m, d = q.shape
+    k, v = seg.keys, seg.values
+    return (q.device.type == "cpu" and d % 2 == 0 and d <= MAX_DIM and m <= MAX_ROWS and k.axis == "channel"
+            and v.axis == "token" and k.tokens % k.token_group == 0 and k.rank <= MAX_DIM and v.rank <= MAX_DIM)
+
+
+def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None):
+    """The softmax partial of grouped, scaled queries `q` [B, H, M, D] over the segment, its output in the values'
+    whitened coefficients: (row max [B, H, M], row sum [B, H, M], `[B, H, M, rank]` = the unnormalized
+    probabilities times the coefficients; `from_subspace.subspace_partial` takes it to the model's basis), or None
+    where the kernel does not serve (`serves`, the module docstring).
+
+    Args:
+        key_valid: `[B, T]` bool (False: the key is masked for every row) or None.
+    """
+    if not serves(q, seg):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    b, h, m, d = q.shape
+    k, v, t = seg.keys, seg.values, seg.tokens
+    threads = torch.get_num_threads()
+    chunks = 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // (b * h))))
+    g = k.token_group
+    per = -(-t // chunks // g) * g if t else g  # whole key groups a chunk
+    chunks = max(1, -(-t // per))
+    w, mean = basis_weights(k)
+    cos = sin = None
+    if seg.rope is not None:
+        cos, sin = _angles(seg.rope, seg.start, t)
+    steps, vmid = _value_levels(v.bits)
+    vscale = (v.scale.float() * steps).contiguous()
+    valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
+    q, kc, vc = q.float().contiguous(), k.codes.contiguous(), v.codes.contiguous()
+    kscale, kzero = k.scale.float().contiguous(), k.zero.float().contiguous()
+    kmeta, vmeta = (_layout(x.bounds, x.bits, x.codes.shape[-1]) for x in (k, v))
+    mx, total = torch.empty(b * h, chunks, m), torch.empty(b * h, chunks, m)
+    acc = torch.empty(b * h, chunks, m, v.rank)
+    work = scratch("subspace_scores", b * h * chunks * m * per, torch.float32, q.device)
+    ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
+    rc = lib.subspace_partial(
+        q.data_ptr(), b * h, h, t, d, m, kc.data_ptr(), kc.shape[-1], kmeta.data_ptr(), len(k.bits), k.rank,
+        k.token_group, kscale.data_ptr(), kzero.data_ptr(), w.data_ptr(), mean.data_ptr(), ptr(cos), ptr(sin),
+        seg.rope.scaling if seg.rope is not None else 1.0, vc.data_ptr(), vc.shape[-1], vmeta.data_ptr(),
+        len(v.bits), v.rank, vscale.data_ptr(), vmid.data_ptr(), ptr(valid), chunks, per, mx.data_ptr(),
+        total.data_ptr(), acc.data_ptr(), work.data_ptr(), threads)
+    if rc:
+        raise RuntimeError(f"native subspace kernel failed ({rc}) for head_dim {d}, {m} rows")
+    mx = mx.masked_fill_(mx <= 0.5 * NEG, -math.inf)
+    if chunks > 1:  # merge the chunks by their log-sum-exp
+        top = mx.amax(1, keepdim=True)
+        scale = torch.exp(mx - torch.where(torch.isinf(top), 0.0, top))
+        total, acc = (total * scale).sum(1, keepdim=True), (acc * scale.unsqueeze(-1)).sum(1, keepdim=True)
+        mx = top
+    return mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, v.rank)

@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 
-from ...rope import KeyRotation
 from ...calibrate import LayerRecipe
 from ...calibrate.thresholds import AdaptiveThresholds
 from ..base import CompressedCache, memory_stats
@@ -37,14 +36,12 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
                     layer.recipe = LayerRecipe.from_dict(r)
         chosen = [la.recipe.archive_format for la in self.layers if getattr(la, "recipe", None) is not None]
         if config is not None and isinstance(self.options, TieredQuantOptions) and needs_rope(self.options, chosen):
-            text = config.get_text_config(decoder=True)
-            types = getattr(text, "layer_types", None) or [None] * len(self.layers)
-            for layer, layer_type in zip(self.layers, types):
-                if isinstance(layer, TieredQuantLayer):
-                    layer.rope = KeyRotation.from_config(
-                        config, layer_type=layer_type, user=_rope_user(self.options),
-                        instead="archive_quantizer='kivi'" + (
-                            " or subspace_prerope=False" if self.options.archive_quantizer == "subspace" else ""))
+            instead = "archive_quantizer='kivi'" + (
+                " or subspace_prerope=False" if self.options.archive_quantizer == "subspace" else "")
+            # one RoPE object per layer type: the kernels reuse one angle table across the layers of a step
+            for layer, rope in self._layer_ropes(config, _rope_user(self.options), instead, "undoes RoPE",
+                                                 (TieredQuantLayer,)):
+                layer.rope = rope
         target = getattr(self.options, "target_ratio", None)
         if target is not None:
             budget = RatioBudget(target, self.layers)
