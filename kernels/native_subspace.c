@@ -37,6 +37,35 @@ static inline void rebuild_key(const float *z, const float *w, const float *mean
     }
 }
 
+/* rebuild_key for four tokens at once (z and key: four rows of MAXDIM): each row of W loaded once for the four, and
+ * four independent sums per channel. */
+static inline void rebuild_keys4(float z[4][MAXDIM], const float *w, const float *mean, const float *cos_t,
+                                 const float *sin_t, int rank, const int dim, float key[4][MAXDIM]) {
+    const int half = dim / 2;
+    for (int u = 0; u < 4; u++)
+        for (int d = 0; d < dim; d++) key[u][d] = mean[d];
+    for (int j = 0; j < rank; j++) {
+        const float *wj = w + (long)j * dim;
+        const float c0 = z[0][j], c1 = z[1][j], c2 = z[2][j], c3 = z[3][j];
+#pragma omp simd
+        for (int d = 0; d < dim; d++) {
+            const float x = wj[d];
+            key[0][d] += c0 * x, key[1][d] += c1 * x, key[2][d] += c2 * x, key[3][d] += c3 * x;
+        }
+    }
+    if (!cos_t) return;
+    for (int u = 0; u < 4; u++) {
+        const float *ct = cos_t + (long)u * half, *st = sin_t + (long)u * half;
+        float *k = key[u];
+#pragma omp simd
+        for (int i = 0; i < half; i++) {
+            const float x1 = k[i], x2 = k[i + half];
+            k[i] = x1 * ct[i] - x2 * st[i];
+            k[i + half] = x2 * ct[i] + x1 * st[i];
+        }
+    }
+}
+
 static inline void tile_scores(const float *z, const float *w, const float *mean, const float *cos_t,
                                const float *sin_t, const float *q, float *out, int tokens, int rank, int rows,
                                int t0, int n, float scale, const int dim) {
@@ -93,13 +122,14 @@ static inline int code_at(const uint8_t *row, int bits, int i) {
     return (int)((v >> shift) & ((1u << bits) - 1));
 }
 
-/* Codes as floats: a byte of 2-bit (four) or 4-bit (two) codes, six bits of 3-bit codes (two). */
-static float lut2[256][4], lut4[256][2], lut3[64][2];
+/* Codes as floats: a byte of 1-bit (eight), 2-bit (four) or 4-bit (two) codes, six bits of 3-bit codes (two). */
+static float lut1[256][8], lut2[256][4], lut4[256][2], lut3[64][2];
 static int lut_ready;
 
 static void fill_luts(void) {
     if (lut_ready) return;
     for (int b = 0; b < 256; b++) {
+        for (int k = 0; k < 8; k++) lut1[b][k] = (float)((b >> k) & 1);
         for (int k = 0; k < 4; k++) lut2[b][k] = (float)((b >> (2 * k)) & 3);
         lut4[b][0] = (float)(b & 15), lut4[b][1] = (float)(b >> 4);
         if (b < 64) lut3[b][0] = (float)(b & 7), lut3[b][1] = (float)(b >> 3);
@@ -110,7 +140,9 @@ static void fill_luts(void) {
 /* out[0:n] = the n codes of `bits` bits at p (as float); the common widths a byte or a 3-byte word at a time. */
 static inline void unpack_run(const uint8_t *p, int bits, int n, float *out) {
     int i = 0;
-    if (bits == 2) {
+    if (bits == 1) {
+        for (; i + 8 <= n; i += 8, p++) memcpy(out + i, lut1[*p], 8 * sizeof(float));
+    } else if (bits == 2) {
         for (; i + 4 <= n; i += 4, p++) memcpy(out + i, lut2[*p], 4 * sizeof(float));
     } else if (bits == 4) {
         for (; i + 2 <= n; i += 2, p++) memcpy(out + i, lut4[*p], 2 * sizeof(float));
@@ -118,6 +150,11 @@ static inline void unpack_run(const uint8_t *p, int bits, int n, float *out) {
         for (; i + 8 <= n; i += 8, p += 3) {
             const unsigned v = p[0] | (unsigned)p[1] << 8 | (unsigned)p[2] << 16;
             for (int k = 0; k < 4; k++) memcpy(out + i + 2 * k, lut3[(v >> (6 * k)) & 63], 2 * sizeof(float));
+        }
+    } else if (bits == 6) {
+        for (; i + 4 <= n; i += 4, p += 3) {
+            const unsigned v = p[0] | (unsigned)p[1] << 8 | (unsigned)p[2] << 16;
+            for (int k = 0; k < 4; k++) out[i + k] = (float)((v >> (6 * k)) & 63);
         }
     } else if (bits == 8) {
         for (; i < n; i++) out[i] = (float)p[i];
@@ -151,7 +188,7 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
     const int h = bh % a->heads, b = bh / a->heads, half = dim / 2, R = a->rows, rank = a->krank;
     const float *q = a->q + (long)bh * R * dim, *w = a->w + (long)h * rank * dim, *mean = a->mean + (long)h * dim;
     const uint8_t *valid = a->valid ? a->valid + (long)b * a->tokens : 0;
-    float z[MAXDIM], key[MAXDIM], mg[MAXDIM], m[MAXROWS];
+    float z[4][MAXDIM], key[4][MAXDIM], mg[MAXDIM], m[MAXROWS];
     for (int r = 0; r < R; r++) m[r] = NEG;
     for (int t = t0; t < t0 + n; t++) {
         float *st = s + (t - t0);
@@ -166,22 +203,29 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
                 for (int d = 0; d < dim; d++) gj[d] = ks[j] * wj[d], mg[d] += kz[j] * wj[d];
             }
         }
-        if (valid && !valid[t]) {
-            for (int r = 0; r < R; r++) st[(long)r * a->per] = NEG;
-            continue;
-        }
-        codes_of(a->kc + ((long)bh * a->tokens + t) * a->kbytes, a->kmeta, a->ksub, z);
-        rebuild_key(z, wg, mg, a->cos_t ? a->cos_t + (long)t * half : 0, a->sin_t ? a->sin_t + (long)t * half : 0,
-                    rank, dim, key);
-        for (int r = 0; r < R; r++) {
-            const float *qr = q + (long)r * dim;
-            float dot = 0.f;
+        /* four tokens of one key group at once where they are there, else one */
+        const int four = t % 4 == 0 && t + 4 <= t0 + n && (t + 3) / a->kgroup == t / a->kgroup;
+        const int u_n = four ? 4 : 1;
+        for (int u = 0; u < u_n; u++)
+            codes_of(a->kc + ((long)bh * a->tokens + t + u) * a->kbytes, a->kmeta, a->ksub, z[u]);
+        const float *ct = a->cos_t ? a->cos_t + (long)t * half : 0, *sn = a->sin_t ? a->sin_t + (long)t * half : 0;
+        if (four)
+            rebuild_keys4(z, wg, mg, ct, sn, rank, dim, key);
+        else
+            rebuild_key(z[0], wg, mg, ct, sn, rank, dim, key[0]);
+        for (int u = 0; u < u_n; u++) {
+            const int hidden = valid && !valid[t + u];
+            for (int r = 0; r < R; r++) {
+                const float *qr = q + (long)r * dim;
+                float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-            for (int d = 0; d < dim; d++) dot += qr[d] * key[d];
-            dot *= a->scale;
-            st[(long)r * a->per] = dot;
-            if (dot > m[r]) m[r] = dot;
+                for (int d = 0; d < dim; d++) dot += qr[d] * key[u][d];
+                dot = hidden ? NEG : dot * a->scale;
+                st[(long)r * a->per + u] = dot;
+                if (dot > m[r]) m[r] = dot;
+            }
         }
+        t += u_n - 1;
     }
     for (int r = 0; r < R; r++) {
         float *sr = s + (long)r * a->per, l = 0.f;
