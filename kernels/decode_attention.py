@@ -299,15 +299,21 @@ def _token_step_native(q, segments: list[Segment], attention_mask, total: int, g
 def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment], attention_mask, total: int,
                           group: int) -> torch.Tensor | None:
     """The normalized output `[B, H, group, D]` of a one-position step over quantized segments followed by full-
-    precision ones (and overlays), in one native call (`native_step`: the tiered layer's step); None where that does
-    not apply (a per-token segment, a quantized segment after full-precision ones, an overlay over full-precision
-    columns, no variant)."""
+    precision ones (and overlays), in one native call (`native_step`: the tiered layer's step; a subspace archive in
+    front, without overlays, is one `native_subspace` call before it, its partial merged in that call); None where
+    that does not apply (a per-token segment, a quantized segment after full-precision ones, an overlay over
+    full-precision columns, no variant)."""
     b = q.shape[0]
     cols = None if attention_mask is None else _column_mask(attention_mask, 0, total, 1, total, False)[:, 0, -1]
-    quant, dense, rotated, start = [], [], {}, 0
+    quant, dense, rotated, start, extra = [], [], {}, 0, None
     for seg in segments:
         stop = start + seg.tokens
-        if isinstance(seg, QuantSegment) and not dense:
+        if isinstance(seg, SubspaceSegment) and start == 0 and not overlays:  # a subspace archive comes first
+            coeffs = native_subspace.coefficient_partial(q, seg, None if cols is None else cols[:, :stop].expand(b, -1))
+            if coeffs is None:
+                return None
+            extra = subspace_partial(q, seg, None, coefficients=coeffs)
+        elif isinstance(seg, QuantSegment) and not dense:
             seg.check()
             valid = None if cols is None else cols[:, start:stop].expand(b, -1)
             hidden = _overlaid_columns(overlays, start, stop, q.device)
@@ -326,7 +332,7 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
         dense_valid = torch.cat([cols[:, s0 : s0 + seg.tokens] for seg, s0, _ in dense], 1)
         dense_valid = None if bool(dense_valid.all()) else dense_valid
     dk, dv = _dense_keys(dense, b, 1, group)[:2] if dense else (None, None)
-    return native_step.step(q, quant, None if dk is None else (dk, dv), dense_valid)
+    return native_step.step(q, quant, None if dk is None else (dk, dv), dense_valid, extra=extra)
 
 
 def _one_key_mask(seg_mask: torch.Tensor | None) -> bool:

@@ -39,6 +39,7 @@ SOURCE = Path(__file__).with_name("native_decode.c")
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
 # with several threads: tokens per task at least (tasks run on the threads; their chunks merge by log-sum-exp)
 CHUNK_TOKENS = 1024
+NEG = -3.0e38  # the C kernels' score of a masked key and maximum of a row with none (no infinities: -ffast-math)
 
 
 

@@ -548,7 +548,9 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
    its output brought back by its value rotation (out times R^T, R [D, D] row-major, per KV head or shared); then nd
    full-precision tokens (the tail, overlays, the new token; dvalid [B, nd] uint8 marks those a row sees, NULL: all). out [B, H, M, D]: the normalized
    attention output (0 for a row that sees no key). work holds B H M max(T, nd) floats, cmx and csum
-   B H (nseg chunks + 1) M, cacc B H (nseg chunks + 1) M D. Returns 1 (computing nothing) for an unsupported shape. */
+   B H (nseg chunks + 1) M, cacc B H (nseg chunks + 1) M D. xmx, xsum [B, H, M] and xacc [B, H, M, D] (or NULL): a
+   partial over other keys (max NEG where it has none) merged in before the normalization; with it nseg may be 0.
+   Returns 1 (computing nothing) for an unsupported shape. */
 struct step_segment {
     const float* q;  /* [B, H, M, D] float32: the scaled queries in the segment's key basis */
     int T, kbits, kgroup, vbits, vgroup;
@@ -581,8 +583,8 @@ static void merge_slots(int M, int D, int n, int stride, float* mx, float* sum, 
 
 int segments_step(const struct step_segment* segs, int nseg, int B, int H, int M, int D, const float* q,
                   const float* dk, const float* dv, int nd, const uint8_t* dvalid, int chunks, int threads, float* work, float* cmx,
-                  float* csum, float* cacc, float* out) {
-    if (nseg < 1 || chunks < 1 || nd < 0) return 1;
+                  float* csum, float* cacc, const float* xmx, const float* xsum, const float* xacc, float* out) {
+    if (nseg < (xmx ? 0 : 1) || chunks < 1 || nd < 0) return 1;
     for (int s = 0; s < nseg; s++)
         if (!native_supports(M, D, segs[s].kbits, segs[s].vbits, segs[s].kgroup, segs[s].vgroup) ||
             segs[s].T % segs[s].kgroup)
@@ -631,6 +633,17 @@ int segments_step(const struct step_segment* segs, int nseg, int B, int H, int M
             memset(acc + o * M * D, 0, sizeof(float) * M * D);
         }
         merge_slots(M, D, nseg + 1, chunks, mx, sum, acc);  /* slots 0, chunks, 2 chunks, ..., nseg chunks */
+        if (xmx)  /* a partial computed before the call (a subspace archive's), in the model's basis */
+            for (int m = 0; m < M; m++) {
+                const int64_t i = bh * M + m;
+                const float best = xmx[i] > mx[m] ? xmx[i] : mx[m];
+                if (best <= 0.5f * NEG) continue;
+                const float wa = expf(mx[m] - best), wb = expf(xmx[i] - best);
+                sum[m] = sum[m] * wa + xsum[i] * wb;
+                float* a = acc + (int64_t)m * D;
+                for (int d = 0; d < D; d++) a[d] = a[d] * wa + xacc[i * D + d] * wb;
+                mx[m] = best;
+            }
         for (int m = 0; m < M; m++) {
             const float inv = sum[m] > 0.f ? 1.f / sum[m] : 0.f;
             for (int d = 0; d < D; d++) out[(bh * M + m) * D + d] = acc[(int64_t)m * D + d] * inv;

@@ -42,7 +42,8 @@ def _function():
     fn = lib.segments_step
     if fn.argtypes is None:
         fn.restype = _i
-        fn.argtypes = [ctypes.POINTER(StepSegment), _i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i, _i, _p, _p, _p, _p, _p]
+        fn.argtypes = [ctypes.POINTER(StepSegment), _i, _i, _i, _i, _i, _p, _p, _p, _i, _p, _i, _i, _p, _p, _p, _p,
+                       _p, _p, _p, _p]
     return fn
 
 
@@ -65,14 +66,17 @@ def value_rotation_matrix(r: Rotation | None, d: int) -> tuple[torch.Tensor | No
 
 def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Tensor | None]],
          dense: tuple[torch.Tensor, torch.Tensor] | None, dense_valid: torch.Tensor | None = None,
-         chunks: int | None = None) -> torch.Tensor | None:
+         chunks: int | None = None, extra: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+         ) -> torch.Tensor | None:
     """The normalized attention output `[B, H, M, D]` float32 of grouped, scaled queries `q` (the model's basis) over
     the quantized segments `quant` (in key order: each `(q_seg, seg, key_valid)`, `q_seg` the queries times the
     segment's key rotation, `key_valid [B, T]` bool or None) followed by the full-precision keys and values `dense`
-    (`[B, H, n, D]` float32 contiguous) or None, of which a row sees those `dense_valid [B, n]` (bool; None: all).
+    (`[B, H, n, D]` float32 contiguous) or None, of which a row sees those `dense_valid [B, n]` (bool; None: all),
+    and `extra`, a softmax partial over other keys computed before (row max, row sum `[B, H, M]`, unnormalized output
+    `[B, H, M, D]` in the model's basis: a subspace archive's), or None.
     None where the kernel is unavailable or has no variant (the caller then takes the general path)."""
     fn = _function()
-    if fn is None or not quant:
+    if fn is None or not (quant or extra):
         return None
     b, h, m, d = q.shape
     keep: list[torch.Tensor] = []  # every tensor the call reads stays alive until it returns
@@ -94,7 +98,7 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
         desc.vrot, desc.vrot_sh = (None if rot[0] is None else rot[0].data_ptr()), rot[1]
     dk, dv = dense if dense is not None else (None, None)
     nd = 0 if dk is None else dk.shape[2]
-    longest = max(seg.tokens for _, seg, _ in quant)
+    longest = max((seg.tokens for _, seg, _ in quant), default=1)
     threads, chunks = native._split(longest, b * h, chunks)
     slots = len(quant) * chunks + 1
     work = scratch("native_scores", b * h * m * max(longest, nd, 1), torch.float32, torch.device("cpu"))
@@ -104,7 +108,13 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
     out = torch.empty(b, h, m, d)
     qf = q.float().contiguous()
     dvalid = None if dense_valid is None else dense_valid.expand(b, nd).to(torch.uint8).contiguous()
-    rc = fn(descs, len(quant), b, h, m, d, qf.data_ptr(), None if dk is None else dk.data_ptr(),
-            None if dv is None else dv.data_ptr(), nd, None if dvalid is None else dvalid.data_ptr(), chunks, threads, work.data_ptr(), cmx.data_ptr(),
-            csum.data_ptr(), cacc.data_ptr(), out.data_ptr())
+    xmx = xsum = xacc = None
+    if extra is not None:  # the kernel's "no key" maximum is finite (-ffast-math has no infinities)
+        xmx = extra[0].float().masked_fill(torch.isinf(extra[0]), native.NEG).contiguous()
+        xsum, xacc = extra[1].float().contiguous(), extra[2].float().contiguous()
+        keep += [xmx, xsum, xacc]
+    ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
+    rc = fn(descs, len(quant), b, h, m, d, qf.data_ptr(), ptr(dk), ptr(dv), nd, ptr(dvalid), chunks, threads,
+            work.data_ptr(), cmx.data_ptr(), csum.data_ptr(), cacc.data_ptr(), ptr(xmx), ptr(xsum), ptr(xacc),
+            out.data_ptr())
     return None if rc else out

@@ -24,13 +24,12 @@ from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 from hf_kvcache.rope import KeyRotation
 
 from .blockwise import scratch
-from .native import CHUNK_TOKENS, FLAGS, _Build, compile_library, enabled
+from .native import CHUNK_TOKENS, FLAGS, NEG, _Build, compile_library, enabled
 from .segments import SubspaceSegment
 
 SOURCE = Path(__file__).with_name("native_subspace.c")
 MAX_DIM = 256
 MAX_ROWS = 16  # query rows per KV head the kernel takes (grouped heads x positions)
-NEG = -3.0e38  # the kernel's score of a masked key (no infinities under -ffast-math)
 
 _build = _Build()
 _tables = threading.local()  # {id(rope): (rope, cos, sin)} of positions 0..: see `_angles`

@@ -496,6 +496,48 @@ def test_native_step_of_a_tiered_layer(pads, threads):
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("warm", [True, False], ids=["warm-tier", "no-warm-tier"])
+@pytest.mark.parametrize("pads", [None, (0, 70)], ids=["no-mask", "left-padded"])
+def test_native_step_with_a_subspace_archive(warm, pads):
+    """A tiered layer's step over a subspace archive (pre-RoPE keys), a 4-bit warm tier (or none), a tail and the new
+    token: the archive's partial from `native_subspace` merged inside the one native step call, which gives the
+    reference attention."""
+    from hf_kvcache.kernels import native_step
+    from hf_kvcache.kernels.segments import SubspaceSegment
+    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
+    from hf_kvcache.rope import KeyRotation
+
+    native_or_skip()
+    g = torch.Generator().manual_seed(23)
+    b, h, d, group, t = 2, 2, 64, 3, 256
+    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
+    v = torch.randn(b, h, t, d, generator=g)
+    keys = quantize_subspace_rows(k, fit_subspace(k, rank=40), (4, 3, 3, 2, 2), 8, rank=40, axis="channel")
+    values = quantize_subspace_rows(v, fit_subspace(v, rank=64), (3, 1), 32, axis="token")
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    segments = [SubspaceSegment(keys, values, rope, start=0)]
+    if warm:
+        wk, wv = torch.randn(b, h, 64, d, generator=g), torch.randn(b, h, 64, d, generator=g)
+        kc, ks, kz = kivi_key_codes(wk, 4, 32, use_triton=False)
+        vc, vs, vz = kivi_value_codes(wv, 4, 32, use_triton=False)
+        segments.append(QuantSegment(kc, ks, kz, vc, vs, vz, 4, 4, 32, 32, d))
+    segments += [FullSegment(torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g))
+                 for n in (7, 1)]
+    total = sum(s.tokens for s in segments)
+    mask = None if pads is None else left_padded_mask(b, 1, total, pads)
+    q = torch.randn(b, h * group, 1, d, generator=g)
+    calls = []
+    real = native_step.step
+    native_step.step = lambda *a, **kw: calls.append(kw.get("extra") is not None) or real(*a, **kw)
+    try:
+        out, _ = decode_attention(q, segments, mask, use_triton=False)
+    finally:
+        native_step.step = real
+    ref, _ = reference_attention(q, segments, mask)
+    assert calls == [True]
+    torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("prerope", [True, False], ids=["pre-rope", "post-rope"])
 @pytest.mark.parametrize("threads,rows,d", [(1, 3, 64), (2, 7, 128), (2, 1, 256)])
 def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, d):
