@@ -300,7 +300,7 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
                           group: int) -> torch.Tensor | None:
     """The normalized output `[B, H, group, D]` of a one-position step over quantized segments followed by full-
     precision ones (and overlays), in one native call (`native_step`: the tiered layer's step; a subspace archive in
-    front, without overlays, is one `native_subspace` call before it, its partial merged in that call); None where
+    front is one `native_subspace` call before it, its partial merged in that call); None where
     that does not apply (a per-token segment, a quantized segment after full-precision ones, an overlay over
     full-precision columns, no variant)."""
     b = q.shape[0]
@@ -308,18 +308,21 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
     quant, dense, rotated, start, extra = [], [], {}, 0, None
     for seg in segments:
         stop = start + seg.tokens
-        if isinstance(seg, SubspaceSegment) and start == 0 and not overlays:  # a subspace archive comes first
-            coeffs = native_subspace.coefficient_partial(q, seg, None if cols is None else cols[:, :stop].expand(b, -1))
-            if coeffs is None:
-                return None
-            extra = subspace_partial(q, seg, None, coefficients=coeffs)
-        elif isinstance(seg, QuantSegment) and not dense:
-            seg.check()
+        if isinstance(seg, (QuantSegment, SubspaceSegment)) and not dense:
             valid = None if cols is None else cols[:, start:stop].expand(b, -1)
             hidden = _overlaid_columns(overlays, start, stop, q.device)
             if hidden is not None:
                 valid = ~hidden.expand(b, -1) if valid is None else valid & ~hidden
-            quant.append((_in_key_basis(q, seg, rotated), seg, valid))
+            if isinstance(seg, QuantSegment):
+                seg.check()
+                quant.append((_in_key_basis(q, seg, rotated), seg, valid))
+            elif start == 0:  # a subspace archive comes first: its partial merges into the step's call
+                coeffs = native_subspace.coefficient_partial(q, seg, valid)
+                if coeffs is None:
+                    return None
+                extra = subspace_partial(q, seg, None, coefficients=coeffs)
+            else:
+                return None
         elif isinstance(seg, FullSegment) and _overlaid_columns(overlays, start, stop, q.device) is None:
             dense.append((seg, start, None))
         else:

@@ -499,8 +499,8 @@ def test_native_step_of_a_tiered_layer(pads, threads):
 @pytest.mark.parametrize("warm", [True, False], ids=["warm-tier", "no-warm-tier"])
 @pytest.mark.parametrize("pads", [None, (0, 70)], ids=["no-mask", "left-padded"])
 def test_native_step_with_a_subspace_archive(warm, pads):
-    """A tiered layer's step over a subspace archive (pre-RoPE keys), a 4-bit warm tier (or none), a tail and the new
-    token: the archive's partial from `native_subspace` merged inside the one native step call, which gives the
+    """A tiered layer's step over a subspace archive (pre-RoPE keys), a 4-bit warm tier (or none), a tail, the new
+    token and sinks over the archive's first positions: the archive's partial from `native_subspace` merged inside the one native step call, which gives the
     reference attention."""
     from hf_kvcache.kernels import native_step
     from hf_kvcache.kernels.segments import SubspaceSegment
@@ -524,6 +524,8 @@ def test_native_step_with_a_subspace_archive(warm, pads):
     segments += [FullSegment(torch.randn(b, h, n, d, generator=g), torch.randn(b, h, n, d, generator=g))
                  for n in (7, 1)]
     total = sum(s.tokens for s in segments)
+    segments.append(FullSegment(torch.randn(b, h, 4, d, generator=g), torch.randn(b, h, 4, d, generator=g),
+                                overlay_at=0))  # sinks over the archive's first positions
     mask = None if pads is None else left_padded_mask(b, 1, total, pads)
     q = torch.randn(b, h * group, 1, d, generator=g)
     calls = []
