@@ -17,10 +17,19 @@
 #define MAXDIM 256
 #define MAXROWS 16
 
+/* key[0:2 half] turned by RoPE (rotate_half layout) with the cos / sin [half] of its position. */
+static inline void turn(float *key, const float *cos_t, const float *sin_t, const int half) {
+#pragma omp simd
+    for (int i = 0; i < half; i++) {
+        const float x1 = key[i], x2 = key[i + half];
+        key[i] = x1 * cos_t[i] - x2 * sin_t[i];
+        key[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
+    }
+}
+
 /* key[0:dim] = mean + sum_j z[j] w[j, :], then turned by RoPE (cos_t / sin_t: [dim / 2], or NULL: no RoPE). */
 static inline void rebuild_key(const float *z, const float *w, const float *mean, const float *cos_t,
                                const float *sin_t, int rank, const int dim, float *key) {
-    const int half = dim / 2;
     for (int d = 0; d < dim; d++) key[d] = mean[d];
     for (int j = 0; j < rank; j++) {
         const float c = z[j];
@@ -28,13 +37,7 @@ static inline void rebuild_key(const float *z, const float *w, const float *mean
 #pragma omp simd
         for (int d = 0; d < dim; d++) key[d] += c * wj[d];
     }
-    if (!cos_t) return;
-#pragma omp simd
-    for (int i = 0; i < half; i++) {
-        const float x1 = key[i], x2 = key[i + half];
-        key[i] = x1 * cos_t[i] - x2 * sin_t[i];
-        key[i + half] = x2 * cos_t[i] + x1 * sin_t[i];
-    }
+    if (cos_t) turn(key, cos_t, sin_t, dim / 2);
 }
 
 /* rebuild_key for four tokens at once (z and key: four rows of MAXDIM): each row of W loaded once for the four, and
@@ -53,17 +56,8 @@ static inline void rebuild_keys4(float z[4][MAXDIM], const float *w, const float
             key[0][d] += c0 * x, key[1][d] += c1 * x, key[2][d] += c2 * x, key[3][d] += c3 * x;
         }
     }
-    if (!cos_t) return;
-    for (int u = 0; u < 4; u++) {
-        const float *ct = cos_t + (long)u * half, *st = sin_t + (long)u * half;
-        float *k = key[u];
-#pragma omp simd
-        for (int i = 0; i < half; i++) {
-            const float x1 = k[i], x2 = k[i + half];
-            k[i] = x1 * ct[i] - x2 * st[i];
-            k[i + half] = x2 * ct[i] + x1 * st[i];
-        }
-    }
+    if (cos_t)
+        for (int u = 0; u < 4; u++) turn(key[u], cos_t + (long)u * half, sin_t + (long)u * half, half);
 }
 
 static inline void tile_scores(const float *z, const float *w, const float *mean, const float *cos_t,
