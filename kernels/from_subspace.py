@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_kvcache.quant.packing import lane_factors, unpack_lanes
-from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
+from hf_kvcache.quant.subspace import SubspaceRows
 
 from . import native_subspace
 from .blockwise import scratch
@@ -69,8 +69,7 @@ def subspace_coefficients(p: torch.Tensor, values: SubspaceRows) -> torch.Tensor
     (whitened: multiply by sigma and the basis to get values). Each subspace holds per-token codes with one scale,
     read as a value group of that scale times the width's step and of zero `-(levels / 2 - 1/2)` steps."""
     codes, factors = _unpacked(values, "codes_v")
-    steps = torch.tensor([gaussian_step(bits) for bits in values.bits], device=p.device)
-    mids = torch.tensor([2 ** bits // 2 - 0.5 for bits in values.bits], device=p.device)
+    steps, mids = (x.to(p.device) for x in native_subspace.value_levels(values.bits))
     scale = values.scale.float() * steps  # [B, H, T, subspaces]
     return values_of_codes(p, codes, scale, -scale * mids, list(values.bounds), factors)
 

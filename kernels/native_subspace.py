@@ -23,8 +23,8 @@ from hf_kvcache.quant.packing import packed_length
 from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 from hf_kvcache.rope import KeyRotation
 
-from .blockwise import scratch
-from .native import CHUNK_TOKENS, FLAGS, NEG, _Build, compile_library, enabled
+from .blockwise import combine, scratch
+from .native import FLAGS, NEG, _Build, _split, compile_library, enabled
 from .segments import SubspaceSegment
 
 SOURCE = Path(__file__).with_name("native_subspace.c")
@@ -114,8 +114,9 @@ def _layout(bounds: tuple, bits: tuple, row_bytes: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _value_levels(bits: tuple) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per value subspace: the step of its width and its middle code (`from_subspace.subspace_coefficients`)."""
+def value_levels(bits: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per value subspace (float32 CPU `[subspaces]`): the step of its width and its middle code; a coefficient is
+    `(code - middle) * scale * step`."""
     return (torch.tensor([gaussian_step(width) for width in bits]),
             torch.tensor([2**width // 2 - 0.5 for width in bits]))
 
@@ -151,8 +152,7 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
         return None
     b, h, m, d = q.shape
     k, v, t = seg.keys, seg.values, seg.tokens
-    threads = torch.get_num_threads()
-    chunks = 1 if threads == 1 else max(1, min(-(-t // CHUNK_TOKENS), -(-2 * threads // (b * h))))
+    threads, chunks = _split(t, b * h, None)
     g = k.token_group
     per = -(-t // chunks // g) * g if t else g  # whole key groups a chunk
     chunks = max(1, -(-t // per))
@@ -160,7 +160,7 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     cos = sin = None
     if seg.rope is not None:
         cos, sin = _angles(seg.rope, seg.start, t)
-    steps, vmid = _value_levels(v.bits)
+    steps, vmid = value_levels(v.bits)
     vscale = (v.scale.float() * steps).contiguous()
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     q, kc, vc = q.float().contiguous(), k.codes.contiguous(), v.codes.contiguous()
@@ -179,9 +179,5 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     if rc:
         raise RuntimeError(f"native subspace kernel failed ({rc}) for head_dim {d}, {m} rows")
     mx = mx.masked_fill_(mx <= 0.5 * NEG, -math.inf)
-    if chunks > 1:  # merge the chunks by their log-sum-exp
-        top = mx.amax(1, keepdim=True)
-        scale = torch.exp(mx - torch.where(torch.isinf(top), 0.0, top))
-        total, acc = (total * scale).sum(1, keepdim=True), (acc * scale.unsqueeze(-1)).sum(1, keepdim=True)
-        mx = top
-    return mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, v.rank)
+    state = functools.reduce(combine, [(mx[:, c], total[:, c], acc[:, c]) for c in range(chunks)])  # chunks by LSE
+    return state[0].view(b, h, m), state[1].view(b, h, m), state[2].view(b, h, m, v.rank)
