@@ -42,6 +42,27 @@ def position_costs(layer: "TieredQuantLayer") -> PositionCosts:
                          archive.fixed / (layer.batch_size() * layer.num_heads))
 
 
+def fitted_warm_floor(layer: "TieredQuantLayer") -> int:
+    """The warm positions `layer` keeps at least (`fitted_state_from_warm`): `warm_length`, less the positions whose
+    move to the archive pays for the archive format's fitted state, so that the layer holds no more bytes than with
+    a KIVI archive of the archive's spec and `warm_length` warm positions (whole groups, room left for the archive
+    group that waits in the warm tier, 0 at the least); just `warm_length` while the format is unfitted or holds no
+    fitted state."""
+    p, fitted = layer.plan, layer.archive_costs()
+    if fitted is None or not fitted.fixed:
+        return p.warm_length
+    c, kivi = position_costs(layer), KIVIFormat(layer, layer.specs["arch"]).costs().position
+    if c.warm <= c.archive:
+        return p.warm_length
+    coded = max(0, layer.cumulative_length - p.tail_length - p.sink_length)  # positions in the warm tier or archive
+    spare = (c.warm - kivi) * p.warm_length + (kivi - c.archive) * coded - c.fixed
+    room = spare / (c.warm - c.archive)
+    if room >= p.warm_length:
+        return p.warm_length
+    room -= p.archive_group - p.group_size  # a partly filled archive group waits in the warm tier
+    return max(0, int(room) // p.group_size * p.group_size)
+
+
 @dataclass
 class RatioBudget:
     """Sizes the warm tier of every full-attention tiered layer of `layers` (a cache's layer list) so that the cache

@@ -15,7 +15,7 @@ from ...kernels.segments import FullSegment, QuantSegment, SubspaceSegment
 from ...calibrate import LayerRecipe
 from ...calibrate.quality import QualityTracker
 from ..base import CompressedLayer
-from ..budget import RatioBudget
+from ..budget import RatioBudget, fitted_warm_floor
 from ..archive import ArchiveFormat, KIVIFormat
 from ..tiers import TierSpec, LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format
 from .options import TIERS, CALIBRATION_GROUPS, TieredQuantOptions, KIVIOptions, largest_divisor, needs_rope
@@ -335,11 +335,13 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self._in_flight = 0
 
     def _warm_target(self) -> int:
-        """Positions the warm tier keeps now: warm_length, warm_fraction of the positions seen (of the window), or
-        what the memory target allows (`budget`, full-attention layers), whichever is most."""
+        """Positions the warm tier keeps now: warm_length (less what pays for a fitted archive state, with
+        `fitted_state_from_warm`), warm_fraction of the positions seen (of the window), or what the memory target
+        allows (`budget`, full-attention layers), whichever is most."""
         p = self.plan
         seen = self.cumulative_length if self.sliding_window is None else min(self.cumulative_length, self.sliding_window)
-        target = max(p.warm_length, int(p.warm_fraction * seen) // p.group_size * p.group_size)
+        floor = fitted_warm_floor(self) if p.fitted_state_from_warm and not self.is_sliding else p.warm_length
+        target = max(floor, int(p.warm_fraction * seen) // p.group_size * p.group_size)
         if self.budget is not None and not self.is_sliding:
             target = max(target, self.budget.warm_positions(self))
         return target

@@ -62,6 +62,11 @@ class TieredQuantOptions(CacheOptions):
     - tail_length: newest tokens always kept in full precision (the tail holds up to `tail_length + group_size - 1`)
     - warm_length: at least this many tokens before the tail stay at warm_bits (a multiple of group_size;
       0: no warm tier, tokens go from the tail straight to the archive)
+    - fitted_state_from_warm: where `warm_length` is what the warm tier keeps (the memory target out of reach: short
+      contexts), a layer whose archive format holds fitted state (subspace bases, KVQuant codebooks) keeps fewer
+      warm positions, as many fewer as it takes to hold no more bytes than with a KIVI archive and `warm_length`
+      warm positions (`caches.budget.fitted_warm_floor`); where the memory target sizes the warm tier, it already
+      counts that state. False: `warm_length` for every layer
     - warm_fraction: the warm tier also keeps this fraction of the positions seen (of the window, for a sliding
       layer), rounded down to whole groups, when that is more than warm_length: the archive's share, and its error,
       stop growing with the context (0: a fixed warm tier)
@@ -164,6 +169,7 @@ class TieredQuantOptions(CacheOptions):
 
     tail_length: int = 64
     warm_length: int = 448
+    fitted_state_from_warm: bool = False
     warm_fraction: float = 0.22
     target_ratio: float | None = None
     warm_bits: int = 4
@@ -198,6 +204,7 @@ class TieredQuantOptions(CacheOptions):
     def validate(self) -> None:
         check_int("tail_length", self.tail_length, lo=0)
         check_int("warm_length", self.warm_length, lo=0)
+        check_bool("fitted_state_from_warm", self.fitted_state_from_warm)
         check_number("warm_fraction", self.warm_fraction, 0.0, 1.0)
         check_number("target_ratio", self.target_ratio, 1.0, lo_open=True, allow_none=True)
         check_int("warm_bits", self.warm_bits, 1, 8)

@@ -9,6 +9,7 @@ from transformers import DynamicCache, Gemma3TextConfig, LlamaConfig, LlamaForCa
 
 from hf_kvcache import TieredQuantCache, attached
 from hf_kvcache.caches.archive import FORMAT_CLASSES
+from hf_kvcache.caches.accounting import held_bytes
 from hf_kvcache.caches.budget import position_costs
 from hf_kvcache.caches.tiers import format_label
 from hf_kvcache.eval.bench import CacheSpec
@@ -153,11 +154,42 @@ def test_subspace_archive_keys_take_their_own_width_and_the_target_counts_its_ba
     assert ratios[19] < 5.0 <= min(ratios[25:]) and ratios[-1] < 5.2
 
 
+def _held(cache) -> list[int]:
+    return [held_bytes(layer.stored_tensors()) for layer in cache.layers]
+
+
+def test_a_fitted_state_is_paid_from_the_warm_floor_where_the_target_is_out_of_reach():
+    """`fitted_state_from_warm`: on a short stream (the target out of reach) a subspace archive's layers keep fewer warm
+    positions than warm_length and hold no more than layers with a KIVI archive; on a long one, where the target
+    sizes the warm tier, the cache stores exactly what it stores without the option."""
+    options = dict(rotation="static", warm_length=256, warm_fraction=0.0, target_ratio=5.0)
+    kivi = TieredQuantCache(config=llama_config(), **options)
+    subspace = dict(options, archive_quantizer="subspace", archive_rank=56)
+    fitted = TieredQuantCache(config=llama_config(), **subspace)
+    paid = TieredQuantCache(config=llama_config(), **subspace, fitted_state_from_warm=True)
+    warm = []
+    for step in range(32):  # 8192 positions in 256-position chunks
+        for cache in (kivi, fitted, paid):
+            stream_random(cache, [256], B, H, 64, LAYERS, seed=step)
+        warm.append(paid.layers[0].tiers.tokens("warm"))
+        if 2 <= step < 8:  # 768..2048 positions: fitted, the target out of reach (measured 2.9-4.9x)
+            assert kivi.layers[0].tiers.tokens("warm") == fitted.layers[0].tiers.tokens("warm") == 256
+            assert warm[-1] < 256 and all(f > p for f, p in zip(_held(fitted), _held(paid)))
+            # as KIVI's bytes or fewer, unless the bases cost more than the whole floor (warm 0 at 768-1280 here)
+            assert warm[-1] == 0 or all(k >= p for k, p in zip(_held(kivi), _held(paid)))
+    assert warm[2:8] == [0, 0, 0, 64, 64, 128]
+    # long: the target sizes both warm tiers alike, and what was archived early would have been archived by now
+    assert warm[-1] == fitted.layers[0].tiers.tokens("warm") > 256
+    for a, b in zip(fitted.layers, paid.layers):
+        assert all(torch.equal(x, y) for x, y in zip(a.stored_tensors(), b.stored_tensors()))
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(archive_key_bits=9), "archive_key_bits"),
     (dict(archive_key_bits=3, archive_quantizer="adaptive"), "the adaptive archive takes one width per format"),
     (dict(target_ratio=1.0), "target_ratio"),
     (dict(archive_fit_positions=-1), "archive_fit_positions"),
+    (dict(fitted_state_from_warm=1), "fitted_state_from_warm"),
 ])
 def test_bad_long_context_options_are_clear_errors(options, message):
     with pytest.raises(ValueError, match=message):
