@@ -48,12 +48,10 @@ def fitted_warm_floor(layer: "TieredQuantLayer") -> int:
     a KIVI archive of the archive's spec and `warm_length` warm positions (whole groups, room left for the archive
     group that waits in the warm tier, 0 at the least); just `warm_length` while the format is unfitted or holds no
     fitted state."""
-    p, fitted = layer.plan, layer.archive_costs()
-    if fitted is None or not fitted.fixed:
+    p, c = layer.plan, position_costs(layer)  # an unfitted format is costed as KIVI codes: no fixed bytes
+    if not c.fixed or c.warm <= c.archive:
         return p.warm_length
-    c, kivi = position_costs(layer), KIVIFormat(layer, layer.specs["arch"]).costs().position
-    if c.warm <= c.archive:
-        return p.warm_length
+    kivi = KIVIFormat(layer, layer.specs["arch"]).costs().position
     coded = max(0, layer.cumulative_length - p.tail_length - p.sink_length)  # positions in the warm tier or archive
     spare = (c.warm - kivi) * p.warm_length + (kivi - c.archive) * coded - c.fixed
     room = spare / (c.warm - c.archive)
