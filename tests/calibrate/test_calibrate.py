@@ -208,3 +208,45 @@ def test_a_fitted_archive_format_competes_only_with_enough_positions_to_fit(smol
     model(ids[:, :384], past_key_values=cache)
     model(ids[:, 384:], past_key_values=cache)
     assert all("format-subspace" in r["errors"] for r in cache.recipes())
+
+
+@pytest.mark.slow
+@torch.no_grad()
+def test_a_chunked_prefill_calibrates_on_calibration_positions(smol, moby_text, monkeypatch):
+    """`calibration_positions`: a sequence whose first update is a chunk long enough to calibrate on keeps its
+    positions in full precision until it holds that many (or a shorter update arrives), then calibrates on all of
+    them; a stream of short chunks calibrates as without the option."""
+    from hf_kvcache.caches.tiered.layer import TieredQuantLayer
+
+    model, tok = smol
+    model.set_attn_implementation("sdpa")
+    ids = load_tokens(tok, moby_text, 5000, 1100)
+    opts = dict(archive_candidates=["kivi", "subspace"])
+    seen = []  # positions each layer calibrated on
+    calibrate = TieredQuantLayer._calibrate
+    monkeypatch.setattr(TieredQuantLayer, "_calibrate", lambda la, k, v: (seen.append(k.shape[2]), calibrate(la, k, v)))
+
+    def chunked(cache, sizes):
+        seen.clear()
+        pos = 0
+        for n in sizes:
+            model(ids[:, pos : pos + n], past_key_values=cache)
+            pos += n
+        return cache
+
+    layers = model.config.num_hidden_layers
+    cache = chunked(TieredQuantCache(config=model.config, calibration_positions=768, **opts), [384, 384])
+    assert all(la.calibrating and la.tier_tokens()["warm"] == la.tiers.tokens("archive") == 0 for la in cache.layers)
+    chunked(cache, [384])  # the update after 768 positions: every layer calibrates on them
+    assert seen == [768] * layers and all(la.tiers.tokens("archive") > 0 for la in cache.layers)
+    assert 0 < sum("archive_format" in r for r in cache.recipes()) < layers  # measured: 21 of 30 layers
+    chunked(TieredQuantCache(config=model.config, **opts), [384, 384])
+    assert seen == [384] * layers  # without the option: on the first chunk
+    # a shorter update (the prompt's last chunk, a decoding step) ends the wait: the same choices from the same forwards
+    ended = chunked(TieredQuantCache(config=model.config, calibration_positions=2048, **opts), [384, 384, 100])
+    assert seen == [768] * layers and ended.recipes() == cache.recipes()
+    # short chunks: the same stored tensors as without the option
+    streams = [chunked(TieredQuantCache(config=model.config, calibration_positions=n, **opts), [32] * 20)
+               for n in (0, 768)]
+    for a, b in zip(*(s.layers for s in streams)):
+        assert all(torch.equal(x, y) for x, y in zip(a.stored_tensors(), b.stored_tensors()))

@@ -47,6 +47,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self._calib_queries: torch.Tensor | None = None
         self._calib_scaling = 1.0
         self._calib_waited = False
+        self._first_update = 0  # positions the sequence's first update brought (`_calibration_waits`)
         # a sliding-window layer: archive groups no future query can see are dropped, and no sinks are kept (the
         # first positions leave the window); `dropped` counts the positions before the first one held
         self.sliding_window = sliding_window
@@ -149,7 +150,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self.quality.reset()
         self.plan = self._plan()
         self.dropped = 0
-        self._calib_waited, self._calib_queries = False, None
+        self._calib_waited, self._calib_queries, self._first_update = False, None, 0
 
     # ---- tier bookkeeping ---------------------------------------------------------------------------------------
     def tokens_held(self) -> int:
@@ -276,6 +277,8 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         p, t = self.plan, self.tiers
         new = PlainTier(key_states.to(self.tail_dtype), value_states.to(self.tail_dtype))
         held = self.tokens_held()
+        if held == 0:
+            self._first_update = new.tokens
         if held < p.sink_length:
             m = min(p.sink_length - held, new.tokens)
             sink = new.slice(0, m)  # a copy: a view would keep the whole chunk's storage alive
@@ -285,12 +288,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         excess = tail.tokens - p.tail_length
         if excess >= unit and self.calibrating:
             before = tail.tokens - new.tokens  # positions the queries seen so far end at
-            queries = self._calib_queries
-            first_wait = queries is None and not self._calib_waited
-            # the first forward's queries reach the layer after this update; then wait until enough positions (at
-            # most CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates
-            short = queries is not None and before < p.tail_length + CALIBRATION_GROUPS * p.archive_group
-            if first_wait or short:
+            if self._calibration_waits(before, new.tokens):
                 self._calib_waited = True
                 t.tail = tail
                 return
@@ -301,6 +299,24 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
             tail = tail.slice(m)
         t.tail = tail
         self._drop_outside_window()
+
+    def _calibration_waits(self, before: int, arriving: int) -> bool:
+        """Whether a calibrating layer keeps its positions in the tail for now rather than calibrate on the first
+        `before` (those whose queries it has seen) while `arriving` more come in.
+
+        It waits for the first forward's queries (they reach the layer after its update), then until enough positions
+        (CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates; with
+        `calibration_positions`, a sequence whose first update alone brought that many (a prompt, or the first chunk
+        of a chunked prefill) waits until `calibration_positions` are held or a shorter update arrives (the prompt's
+        last chunk, a decoding step)."""
+        p, queries = self.plan, self._calib_queries
+        if queries is None:
+            return not self._calib_waited
+        least = p.tail_length + CALIBRATION_GROUPS * p.archive_group
+        if before < least:
+            return True
+        chunked = self._first_update >= least and arriving >= self._first_update
+        return chunked and before < p.calibration_positions
 
     def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""

@@ -130,6 +130,12 @@ class TieredQuantOptions(CacheOptions):
       them a layer takes "none"); "static": values rotated wherever the value head dim is a power of two, keys
       never, chosen without queries, so that `generate`, `attached` and a user's plain loop run the same recipe
     - calibration_queries: how many of the first forward's last queries "auto" calibrates with
+    - calibration_positions: where a sequence's first update brings enough positions to calibrate on (a prompt, or
+      the first chunk of a chunked prefill such as `generate`'s 512-token chunks), the layer keeps its positions in
+      full precision until it holds this many or a shorter update arrives (the prompt's last chunk, a decoding step),
+      then calibrates on all of them, as a prompt of that length in one forward would have it do (0: on the first
+      chunk). Token-by-token or short-chunk streams calibrate as before. Costs that many full-precision positions
+      per layer while the prefill lasts
     - archive_error_target: with rotation "auto" and a KIVI archive, the same calibration also widens the archive
       of a layer whose round trip at archive_bits gives its queries a relative attention-output error above this
       target: one bit at a time, up to warm_bits, the narrowest width within the target (None, the default: every
@@ -197,6 +203,7 @@ class TieredQuantOptions(CacheOptions):
     clip_on: str = "auto"
     tail_dtype: str | None = "auto"
     calibration_queries: int = 64
+    calibration_positions: int = 0
     archive_error_target: float | None = None
     recipes: list | None = None
     sliding: dict | None = field(default_factory=lambda: dict(SLIDING_DEFAULT))
@@ -222,6 +229,7 @@ class TieredQuantOptions(CacheOptions):
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
         check_positive_int("calibration_queries", self.calibration_queries)
+        check_int("calibration_positions", self.calibration_positions, lo=0)
         check_number("archive_error_target", self.archive_error_target, 0.0, lo_open=True, allow_none=True)
         if self.recipes is not None:
             if not isinstance(self.recipes, list):
