@@ -240,8 +240,8 @@ def test_a_chunked_prefill_calibrates_on_calibration_positions(smol, moby_text, 
     chunked(cache, [384])  # the update after 768 positions: every layer calibrates on them
     assert seen == [768] * layers and all(la.tiers.tokens("archive") > 0 for la in cache.layers)
     assert 0 < sum("archive_format" in r for r in cache.recipes()) < layers  # measured: 21 of 30 layers
-    chunked(TieredQuantCache(config=model.config, **opts), [384, 384])
-    assert seen == [384] * layers  # without the option: on the first chunk
+    chunked(TieredQuantCache(config=model.config, calibration_positions=0, **opts), [384, 384])
+    assert seen == [384] * layers  # without it: on the first chunk
     # a shorter update (the prompt's last chunk, a decoding step) ends the wait: the same choices from the same forwards
     ended = chunked(TieredQuantCache(config=model.config, calibration_positions=2048, **opts), [384, 384, 100])
     assert seen == [768] * layers and ended.recipes() == cache.recipes()

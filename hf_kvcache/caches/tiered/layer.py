@@ -308,14 +308,14 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         (CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates; with
         `calibration_positions`, a sequence whose first update alone brought that many (a prompt, or the first chunk
         of a chunked prefill) waits until `calibration_positions` are held or a shorter update arrives (the prompt's
-        last chunk, a decoding step)."""
+        last chunk, a decoding step); a sliding-window layer (its window may be shorter) does not wait for it."""
         p, queries = self.plan, self._calib_queries
         if queries is None:
             return not self._calib_waited
         least = p.tail_length + CALIBRATION_GROUPS * p.archive_group
         if before < least:
             return True
-        chunked = self._first_update >= least and arriving >= self._first_update
+        chunked = not self.is_sliding and self._first_update >= least and arriving >= self._first_update
         return chunked and before < p.calibration_positions
 
     def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:

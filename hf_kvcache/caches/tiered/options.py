@@ -134,8 +134,9 @@ class TieredQuantOptions(CacheOptions):
       the first chunk of a chunked prefill such as `generate`'s 512-token chunks), the layer keeps its positions in
       full precision until it holds this many or a shorter update arrives (the prompt's last chunk, a decoding step),
       then calibrates on all of them, as a prompt of that length in one forward would have it do (0: on the first
-      chunk). Token-by-token or short-chunk streams calibrate as before. Costs that many full-precision positions
-      per layer while the prefill lasts
+      chunk, the default until round 14 of docs/rows/ruler_tiered_selection_rule.md chose 2048 on held-out text).
+      Token-by-token or short-chunk streams calibrate as before. Costs that many full-precision positions per layer
+      while the prefill lasts
     - archive_error_target: with rotation "auto" and a KIVI archive, the same calibration also widens the archive
       of a layer whose round trip at archive_bits gives its queries a relative attention-output error above this
       target: one bit at a time, up to warm_bits, the narrowest width within the target (None, the default: every
@@ -203,7 +204,7 @@ class TieredQuantOptions(CacheOptions):
     clip_on: str = "auto"
     tail_dtype: str | None = "auto"
     calibration_queries: int = 64
-    calibration_positions: int = 0
+    calibration_positions: int = 2048
     archive_error_target: float | None = None
     recipes: list | None = None
     sliding: dict | None = field(default_factory=lambda: dict(SLIDING_DEFAULT))
