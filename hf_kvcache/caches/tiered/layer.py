@@ -48,6 +48,8 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self._calib_scaling = 1.0
         self._calib_waited = False
         self._first_update = 0  # positions the sequence's first update brought (`_calibration_waits`)
+        self._prompt_open = False  # no update shorter than the first has arrived yet (`_in_chunked_prefill`)
+        self._in_chunked_prefill = False
         # a sliding-window layer: archive groups no future query can see are dropped, and no sinks are kept (the
         # first positions leave the window); `dropped` counts the positions before the first one held
         self.sliding_window = sliding_window
@@ -151,6 +153,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self.plan = self._plan()
         self.dropped = 0
         self._calib_waited, self._calib_queries, self._first_update = False, None, 0
+        self._prompt_open = self._in_chunked_prefill = False
 
     # ---- tier bookkeeping ---------------------------------------------------------------------------------------
     def tokens_held(self) -> int:
@@ -277,8 +280,8 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         p, t = self.plan, self.tiers
         new = PlainTier(key_states.to(self.tail_dtype), value_states.to(self.tail_dtype))
         held = self.tokens_held()
-        if held == 0:
-            self._first_update = new.tokens
+        prompt_was_chunked = self._in_chunked_prefill
+        self._track_prompt(held, new.tokens)
         if held < p.sink_length:
             m = min(p.sink_length - held, new.tokens)
             sink = new.slice(0, m)  # a copy: a view would keep the whole chunk's storage alive
@@ -298,7 +301,20 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
             self._graduate(tail.keys[:, :, :m], tail.values[:, :, :m])
             tail = tail.slice(m)
         t.tail = tail
+        if prompt_was_chunked and not self._in_chunked_prefill:
+            self._archive_warm_excess()  # the prompt ended: what it kept warm goes to the archive now
         self._drop_outside_window()
+
+    def _track_prompt(self, held: int, arriving: int) -> None:
+        """Follow whether this update continues a chunked prefill: every update after the sequence's first one is
+        at least as long as the first, and the first alone was long enough to calibrate on."""
+        if held == 0:
+            self._first_update, self._prompt_open = arriving, True
+        elif arriving < self._first_update:
+            self._prompt_open = False
+        least = self.plan.tail_length + CALIBRATION_GROUPS * self.plan.archive_group
+        self._in_chunked_prefill = (held > 0 and self._prompt_open and not self.is_sliding
+                                    and self._first_update >= least)
 
     def _calibration_waits(self, before: int, arriving: int) -> bool:
         """Whether a calibrating layer keeps its positions in the tail for now rather than calibrate on the first
@@ -312,11 +328,9 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         p, queries = self.plan, self._calib_queries
         if queries is None:
             return not self._calib_waited
-        least = p.tail_length + CALIBRATION_GROUPS * p.archive_group
-        if before < least:
+        if before < p.tail_length + CALIBRATION_GROUPS * p.archive_group:
             return True
-        chunked = not self.is_sliding and self._first_update >= least and arriving >= self._first_update
-        return chunked and before < p.calibration_positions
+        return self._in_chunked_prefill and before < p.calibration_positions
 
     def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""
@@ -330,6 +344,13 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
             return
         q = self._quantize(keys, values, "warm", track=True)
         t.warm = q if t.warm is None else t.warm.cat(q)
+        self._archive_warm_excess()
+
+    def _archive_warm_excess(self) -> None:
+        """The warm tier's oldest whole archive groups beyond `_warm_target` go to the archive."""
+        p, t = self.plan, self.tiers
+        if t.warm is None:
+            return
         ga = p.archive_group
         excess = t.warm.tokens - self._warm_target()
         if excess < ga or self._waits_to_fit():
@@ -360,6 +381,8 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         target = max(floor, int(p.warm_fraction * seen) // p.group_size * p.group_size)
         if self.budget is not None and not self.is_sliding:
             target = max(target, self.budget.warm_positions(self))
+        if self._in_chunked_prefill:
+            target = max(target, p.prefill_warm_positions)
         return target
 
     def _append_archive(self, q: QuantTier, start: int) -> None:

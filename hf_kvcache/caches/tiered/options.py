@@ -137,6 +137,12 @@ class TieredQuantOptions(CacheOptions):
       chunk, the default until round 14 of docs/rows/ruler_tiered_selection_rule.md chose 2048 on held-out text).
       Token-by-token or short-chunk streams calibrate as before. Costs that many full-precision positions per layer
       while the prefill lasts
+    - prefill_warm_positions: while a chunked prefill lasts (the same condition as for calibration_positions),
+      the warm tier keeps at least this many of the newest positions past the tail at warm_bits, so that the
+      prompt's later chunks attend to warm codes rather than the archive's; when a shorter update arrives the
+      warm positions beyond the usual target are re-quantized into the archive at once (0, the default: off).
+      Costs (warm_bits - archive_bits) bits per entry of up to that many positions while the prefill lasts; a
+      stream of equal chunks that never sends a shorter update keeps them
     - archive_error_target: with rotation "auto" and a KIVI archive, the same calibration also widens the archive
       of a layer whose round trip at archive_bits gives its queries a relative attention-output error above this
       target: one bit at a time, up to warm_bits, the narrowest width within the target (None, the default: every
@@ -205,6 +211,7 @@ class TieredQuantOptions(CacheOptions):
     tail_dtype: str | None = "auto"
     calibration_queries: int = 64
     calibration_positions: int = 2048
+    prefill_warm_positions: int = 0
     archive_error_target: float | None = None
     recipes: list | None = None
     sliding: dict | None = field(default_factory=lambda: dict(SLIDING_DEFAULT))
@@ -231,6 +238,10 @@ class TieredQuantOptions(CacheOptions):
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
         check_positive_int("calibration_queries", self.calibration_queries)
         check_int("calibration_positions", self.calibration_positions, lo=0)
+        check_int("prefill_warm_positions", self.prefill_warm_positions, lo=0)
+        if self.prefill_warm_positions and self.warm_length == 0:
+            raise ValueError(f"prefill_warm_positions={self.prefill_warm_positions} keeps positions in the warm tier, "
+                             "which warm_length=0 turns off: set warm_length > 0 or prefill_warm_positions=0")
         check_number("archive_error_target", self.archive_error_target, 0.0, lo_open=True, allow_none=True)
         if self.recipes is not None:
             if not isinstance(self.recipes, list):

@@ -318,3 +318,32 @@ def test_rotation_held_as_signs_and_small_factors(dim):
     n = codes.tokens
     torch.testing.assert_close(km[:, :, :n], ka @ rotation_matrix(dim, 0).t(), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(vm[:, :, :n], va @ rotation_matrix(dim, 1).t(), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_warm_positions_keep_a_chunked_prompt_warm_until_it_ends():
+    """`prefill_warm_positions`: while equal chunks keep coming (a chunked prefill), at least that many positions
+    past the tail stay at warm_bits; a shorter update ends the prompt and the excess goes to the archive at once, to
+    the same stored tensors as without the option. One forward and short-chunk streams are unchanged."""
+    held = TieredQuantCache(config=tiny_config(), **SMALL, prefill_warm_positions=256)
+    plain = TieredQuantCache(config=tiny_config(), **SMALL)
+    for cache in (held, plain):
+        feed(cache, [80] * 4)  # the first chunk (80 >= tail 8 + 4 archive groups) opens a chunked prefill
+    assert raw_counts(held.layers[0]) == {"archive": 48, "warm": 256, "tail": 16}
+    assert raw_counts(plain.layers[0])["warm"] == 64
+    feed(held, [80], seed=1)  # a stream of equal chunks keeps its newest 256 positions warm
+    assert raw_counts(held.layers[0])["warm"] == 256
+    for cache in (held, plain):
+        cache.reset()
+        feed(cache, [80] * 4 + [1])  # the decoding step ends the prompt
+    assert raw_counts(held.layers[0]) == raw_counts(plain.layers[0]) == {"archive": 240, "warm": 64, "tail": 17}
+    # the archive is coded from the warm codes either way: the same stored tensors once the prompt ended
+    for a, b in zip(held.layers, plain.layers):
+        assert all(torch.equal(x, y) for x, y in zip(a.stored_tensors(), b.stored_tensors()))
+    for chunks in ([320, 1], [16] * 20):  # one forward, then a decoding step; a stream of short chunks
+        caches = [TieredQuantCache(config=tiny_config(), **SMALL, prefill_warm_positions=n) for n in (0, 256)]
+        for cache in caches:
+            feed(cache, chunks)
+        for a, b in zip(*(c.layers for c in caches)):
+            assert all(torch.equal(x, y) for x, y in zip(a.stored_tensors(), b.stored_tensors()))
+    with pytest.raises(ValueError, match="warm_length > 0"):
+        TieredQuantCache(config=tiny_config(), **{**SMALL, "warm_length": 0}, prefill_warm_positions=256)
