@@ -13,6 +13,7 @@ from ...quant.rotation import hadamard_rotation, is_power_of_two
 from ...calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
 from ...calibrate.recipe import choose_archive_format, choose_key_clipping
 from ..archive import FORMAT_CLASSES
+from .options import CALIBRATION_GROUPS
 
 
 # archive_candidates: a fitted format (a basis, a codebook) competes only when the positions it is fitted on in the
@@ -24,6 +25,36 @@ MIN_FIT_POSITIONS_PER_DIM = 2
 class TierCalibration:
     """The calibration half of `TieredQuantLayer` (see `layer.TieredQuantLayer`): methods only, the state lives on the
     layer."""
+
+    def _track_prompt(self, held: int, arriving: int) -> None:
+        """Follow whether this update continues a chunked prefill: every update after the sequence's first one is
+        at least as long as the first, and the first alone was long enough to calibrate on."""
+        if held == 0:
+            self._first_update, self._prompt_open = arriving, True
+        elif arriving < self._first_update:
+            self._prompt_open = False
+        self._in_chunked_prefill = (held > 0 and self._prompt_open and not self.is_sliding
+                                    and self._first_update >= self._least_to_calibrate())
+
+    def _least_to_calibrate(self) -> int:
+        """Positions a layer holds before it can calibrate: the tail and CALIBRATION_GROUPS archive groups."""
+        return self.plan.tail_length + CALIBRATION_GROUPS * self.plan.archive_group
+
+    def _calibration_waits(self, before: int) -> bool:
+        """Whether a calibrating layer keeps its positions in the tail for now rather than calibrate on the first
+        `before` (those whose queries it has seen) as this update's come in (`_track_prompt` has seen it).
+
+        It waits for the first forward's queries (they reach the layer after its update), then until enough positions
+        (CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates; with
+        `calibration_positions`, a sequence whose first update alone brought that many (a prompt, or the first chunk
+        of a chunked prefill) waits until `calibration_positions` are held or a shorter update arrives (the prompt's
+        last chunk, a decoding step); a sliding-window layer (its window may be shorter) does not wait for it."""
+        p, queries = self.plan, self._calib_queries
+        if queries is None:
+            return not self._calib_waited
+        if before < self._least_to_calibrate():
+            return True
+        return self._in_chunked_prefill and before < p.calibration_positions
 
     def _rotation_candidates(self) -> tuple[str, ...]:
         """The rotations this layer's head dims allow (a Hadamard rotation needs a power of two)."""

@@ -18,7 +18,7 @@ from ..base import CompressedLayer
 from ..budget import RatioBudget, fitted_warm_floor
 from ..archive import ArchiveFormat, KIVIFormat
 from ..tiers import TierSpec, LayerTiers, PlainTier, QuantTier, SegmentedTier, format_label, format_of, same_format
-from .options import TIERS, CALIBRATION_GROUPS, TieredQuantOptions, KIVIOptions, largest_divisor, needs_rope
+from .options import TIERS, TieredQuantOptions, KIVIOptions, largest_divisor, needs_rope
 from .calibration import TierCalibration
 from .formats import ArchiveFormatChoice
 
@@ -47,7 +47,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self._calib_queries: torch.Tensor | None = None
         self._calib_scaling = 1.0
         self._calib_waited = False
-        self._first_update = 0  # positions the sequence's first update brought (`_calibration_waits`)
+        self._first_update = 0  # positions the sequence's first update brought (`_track_prompt`)
         self._prompt_open = False  # no update shorter than the first has arrived yet (`_in_chunked_prefill`)
         self._in_chunked_prefill = False
         # a sliding-window layer: archive groups no future query can see are dropped, and no sinks are kept (the
@@ -291,7 +291,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         excess = tail.tokens - p.tail_length
         if excess >= unit and self.calibrating:
             before = tail.tokens - new.tokens  # positions the queries seen so far end at
-            if self._calibration_waits(before, new.tokens):
+            if self._calibration_waits(before):
                 self._calib_waited = True
                 t.tail = tail
                 return
@@ -304,33 +304,6 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         if prompt_was_chunked and not self._in_chunked_prefill:
             self._archive_warm_excess()  # the prompt ended: what it kept warm goes to the archive now
         self._drop_outside_window()
-
-    def _track_prompt(self, held: int, arriving: int) -> None:
-        """Follow whether this update continues a chunked prefill: every update after the sequence's first one is
-        at least as long as the first, and the first alone was long enough to calibrate on."""
-        if held == 0:
-            self._first_update, self._prompt_open = arriving, True
-        elif arriving < self._first_update:
-            self._prompt_open = False
-        least = self.plan.tail_length + CALIBRATION_GROUPS * self.plan.archive_group
-        self._in_chunked_prefill = (held > 0 and self._prompt_open and not self.is_sliding
-                                    and self._first_update >= least)
-
-    def _calibration_waits(self, before: int, arriving: int) -> bool:
-        """Whether a calibrating layer keeps its positions in the tail for now rather than calibrate on the first
-        `before` (those whose queries it has seen) while `arriving` more come in.
-
-        It waits for the first forward's queries (they reach the layer after its update), then until enough positions
-        (CALIBRATION_GROUPS archive groups past the tail) can be round-tripped to compare candidates; with
-        `calibration_positions`, a sequence whose first update alone brought that many (a prompt, or the first chunk
-        of a chunked prefill) waits until `calibration_positions` are held or a shorter update arrives (the prompt's
-        last chunk, a decoding step); a sliding-window layer (its window may be shorter) does not wait for it."""
-        p, queries = self.plan, self._calib_queries
-        if queries is None:
-            return not self._calib_waited
-        if before < p.tail_length + CALIBRATION_GROUPS * p.archive_group:
-            return True
-        return self._in_chunked_prefill and before < p.calibration_positions
 
     def _graduate(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Whole groups leaving the tail (oldest first) go to the warm tier, or to the archive without one."""

@@ -140,9 +140,10 @@ class TieredQuantOptions(CacheOptions):
     - prefill_warm_positions: while a chunked prefill lasts (the same condition as for calibration_positions),
       the warm tier keeps at least this many of the newest positions past the tail at warm_bits, so that the
       prompt's later chunks attend to warm codes rather than the archive's; when a shorter update arrives the
-      warm positions beyond the usual target are re-quantized into the archive at once (0, the default: off).
-      Costs (warm_bits - archive_bits) bits per entry of up to that many positions while the prefill lasts; a
-      stream of equal chunks that never sends a shorter update keeps them
+      warm positions beyond the usual target are re-quantized into the archive at once (0, the default: off; round
+      15 of docs/rows/ruler_tiered_selection_rule.md found no retrieval gain on held-out samples). Costs
+      (warm_bits - archive_bits) bits per entry of up to that many positions while the prefill lasts; a stream of
+      equal chunks that never sends a shorter update keeps them
     - archive_error_target: with rotation "auto" and a KIVI archive, the same calibration also widens the archive
       of a layer whose round trip at archive_bits gives its queries a relative attention-output error above this
       target: one bit at a time, up to warm_bits, the narrowest width within the target (None, the default: every
