@@ -301,7 +301,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
             self._graduate(tail.keys[:, :, :m], tail.values[:, :, :m])
             tail = tail.slice(m)
         t.tail = tail
-        if prompt_was_chunked and not self._in_chunked_prefill:
+        if p.prefill_warm_positions and prompt_was_chunked and not self._in_chunked_prefill:
             self._archive_warm_excess()  # the prompt ended: what it kept warm goes to the archive now
         self._drop_outside_window()
 
