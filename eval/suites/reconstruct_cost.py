@@ -10,7 +10,9 @@ tokens (2048) of Moby Dick (from character 200000) in one forward and reads the 
 `plain` (the full cache, `DynamicCache`, the model's SDPA attention), `evict` (the evicting cache with the `snapkv`
 policy, which needs the attention mass: the `"hf_kvcache"` attention), `reconstruct` (the evicting cache with the
 `reconstruct` policy: the prefill, then `score_context` in `--chunk`-token forwards (512), then the eviction; its row
-splits the seconds into `prefill_seconds` and `score_seconds`). The budget is 25 % of the tokens.
+splits the seconds into `prefill_seconds` and `score_seconds`). The budget is 25 % of the tokens. Any `--caches`
+spec adds a row of its own, measured the same way under `attached`: a cache scored by reconstruction (e.g. an `h2o`
+cache with another `reconstruct` setting) is held, scored and evicted, its seconds split as above.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import resource
 import time
 from dataclasses import dataclass
 
+from ..bench import CacheSpec, parse_specs
 from ..isolated import in_fresh_process, status_kib
 from ..rows import Row, make_row
 from .options import SuiteOptions, option
@@ -40,12 +43,13 @@ class ReconstructCostOptions(SuiteOptions):
 OPTIONS = ReconstructCostOptions
 
 
-def measure(model_name: str, tokens: int, variant: str, chunk: int) -> dict:
-    """One variant in this process (see the module docstring): seconds and peak memory over the loaded model."""
+def measure(model_name: str, tokens: int, variant: str, chunk: int, spec: str | None = None) -> dict:
+    """One variant (or, with `spec`, one `--caches` spec) in this process (see the module docstring): seconds and
+    peak memory over the loaded model."""
     import torch
     from transformers import DynamicCache
 
-    from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids
+    from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids, scored_layers
     from hf_kvcache.registry import attached, build_cache
 
     from ..assets import load_model, load_text
@@ -60,34 +64,42 @@ def measure(model_name: str, tokens: int, variant: str, chunk: int) -> dict:
     t0 = time.perf_counter()
     if variant == "plain":
         model(context, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-    elif variant == "evict":
+    elif variant == "evict" and spec is None:
         cache = build_cache("h2o", model.config, budget=0.25, policy="snapkv")
         with attached(model, cache):
             model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
     else:
-        cache = build_cache("h2o", model.config, budget=0.25, policy="reconstruct", chunk=chunk)
+        if spec is None:
+            cache = build_cache("h2o", model.config, budget=0.25, policy="reconstruct", chunk=chunk)
+        else:
+            cache = CacheSpec.parse(spec).build(model)
         prompt = reconstruction_prompt_ids(tokenizer)
         with attached(model, cache):
             with held_for_scoring(model, cache, context, prompt):
                 model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
                 out["prefill_seconds"] = time.perf_counter() - t0
-        out["score_seconds"] = time.perf_counter() - t0 - out["prefill_seconds"]
+        if scored_layers(cache):
+            out["score_seconds"] = time.perf_counter() - t0 - out["prefill_seconds"]
     out["seconds"] = time.perf_counter() - t0
     out["peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
     return out
 
 
 def run(opts: ReconstructCostOptions) -> list[Row]:
-    """One row per variant, each measured in a fresh process."""
+    """One row per variant, then one per `--caches` spec, each measured in a fresh process."""
     tokens, chunk = opts.one_length(DEFAULT_TOKENS), opts.chunk or DEFAULT_CHUNK
     unknown = sorted(set(opts.variants) - set(VARIANTS))
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; --variants takes some of: {' '.join(VARIANTS)}")
+    specs = parse_specs(opts.caches) if opts.caches else []
+    runs = [(variant, variant, None) for variant in opts.variants]
+    runs += [(spec.label, "spec", text) for spec, text in zip(specs, opts.caches or [])]
     rows = []
-    for variant in opts.variants:
-        result = in_fresh_process(measure, model_name=opts.model, tokens=tokens, variant=variant, chunk=chunk)
-        rows.append(make_row("reconstruct-cost", variant, opts.model, tokens, chunk=chunk,
+    for label, variant, text in runs:
+        result = in_fresh_process(measure, model_name=opts.model, tokens=tokens, variant=variant, chunk=chunk,
+                                  spec=text)
+        rows.append(make_row("reconstruct-cost", label, opts.model, tokens, chunk=chunk,
                              threads=os.environ.get("OMP_NUM_THREADS"), **result))
         if opts.progress:
-            print(f"  .. {variant}: {result['seconds']:.1f} s, peak +{result['peak_mib']:.0f} MiB", flush=True)
+            print(f"  .. {label}: {result['seconds']:.1f} s, peak +{result['peak_mib']:.0f} MiB", flush=True)
     return rows

@@ -21,9 +21,11 @@ the cache layer's `AttentionRequest` found with `request_for(key)`), then runs t
 
 When the layer sets `wants_attention_mass`, the function then calls `layer.observe_visible_keys(visible)` (which keys
 the mask lets any query see; `None` when there is no mask) and `layer.observe_attention(mass)`. Masked keys and fully
-masked (padding) query rows contribute nothing to the mass. A layer that also sets `query_window = W > 0` first gets
-`layer.observe_queries(query[:, :, -W:], scaling)`: the (post-RoPE) queries of the last `W` positions of the call,
-`[batch, heads, min(W, q_len), head_dim]`. From them a policy can recompute the attention of a window of recent
+masked (padding) query rows contribute nothing to the mass. A layer that sets only `wants_visible_keys` (an
+evicting layer whose policy does not rank by the mass: it needs the padding flags and the end of the forward) gets
+the same two calls, with `mass=None`, and its attention stays `TorchSDPAKernel`. A layer that also sets
+`query_window = W > 0` first gets `layer.observe_queries(query[:, :, -W:], scaling)`: the (post-RoPE) queries of
+the last `W` positions of the call, `[batch, heads, min(W, q_len), head_dim]`. From them a policy can recompute the attention of a window of recent
 queries over whatever the layer holds (SnapKV, TOVA), also across decoding steps of one query each, which the summed
 mass cannot give. A layer whose heads hold different numbers of slots (`key_mask()` not None,
 `[batch, kv_heads, kv]`) gets its empty slots masked per head, on top of the model's mask.

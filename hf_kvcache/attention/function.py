@@ -81,10 +81,10 @@ def hf_kvcache_attention(
     special = kwargs.get("position_bias") is not None or kwargs.get("cache") is not None or kwargs.get("s_aux") is not None
     if special:
         request = request_for(key, take=True)
-        if request is not None and request.layer.wants_attention_mass:
+        if request is not None and (request.layer.wants_attention_mass or request.layer.wants_visible_keys):
             raise NotImplementedError(
-                "the hf_kvcache attention cannot report attention mass together with position_bias / paged caches / "
-                "attention sinks (s_aux)"
+                "the hf_kvcache attention cannot report attention mass or visible keys (an evicting cache) together "
+                "with position_bias / paged caches / attention sinks (s_aux)"
             )
         if request is not None and request.view is not None:  # placeholders: attend to the decoded tensors instead
             key, value = request.view.dense()
@@ -101,11 +101,11 @@ def hf_kvcache_attention(
     window = 0 if call.layer is None else int(call.layer.query_window or 0)
     if window > 0:  # the last queries: policies that score by a recent window, layers calibrating their recipe
         call.layer.observe_queries(query[:, :, -window:].detach(), call.scaling)  # statistics: never a graph
-    if call.want_mass:
-        if mass is None:
+    if call.want_mass or (call.layer is not None and call.layer.wants_visible_keys):
+        if call.want_mass and mass is None:
             raise RuntimeError(f"kernel {kernel.name!r} was asked for the attention mass and returned none")
         call.layer.observe_visible_keys(visible_keys(call.mask, query.shape[0]))
-        call.layer.observe_attention(mass.detach())
+        call.layer.observe_attention(None if mass is None else mass.detach())
     return out, None
 
 

@@ -36,7 +36,8 @@ SDPA = "sdpa"
 def asks_attention(request: AttentionRequest) -> bool:
     """Whether the layer behind `request` needs more than the attention output (see the module docstring)."""
     layer = request.layer
-    return (request.view is not None or layer.wants_attention_mass or int(layer.query_window or 0) > 0
+    return (request.view is not None or layer.wants_attention_mass or layer.wants_visible_keys
+            or int(layer.query_window or 0) > 0
             or layer.key_mask() is not None or layer.key_bias() is not None)
 
 

@@ -84,6 +84,9 @@ class CompressedLayer(DynamicLayer):
     is_croppable = True
     # what the layer asks of the "hf_kvcache" attention (see the module docstring); subclasses override
     wants_attention_mass = False  # report the attention mass (`observe_visible_keys`, `observe_attention`)
+    # report which keys the mask lets a query see, and that the forward's attention ran, without computing the mass
+    # (`observe_visible_keys`, then `observe_attention(None)`): the attention stays torch SDPA
+    wants_visible_keys = False
     query_window = 0  # > 0: report the last this-many queries of each call (`observe_queries`)
     mask_from_end = False  # the layer holds fewer slots than the mask's width: its columns are the mask's last ones
     fused_max_new = 64  # the fused attention serves forwards of at most this many new tokens (decode, small chunks)
@@ -141,9 +144,10 @@ class CompressedLayer(DynamicLayer):
         """The last `query_window` (post-RoPE) queries of an attention call `[batch, heads, w, head_dim]` and the
         call's scaling (only called when `query_window > 0`)."""
 
-    def observe_attention(self, mass: torch.Tensor) -> None:
+    def observe_attention(self, mass: torch.Tensor | None) -> None:
         """Attention mass `[batch, kv_heads, tokens]` received by the keys of the last `update` (held tokens first,
-        then the new ones), summed over the query heads of each KV group and over the query positions."""
+        then the new ones), summed over the query heads of each KV group and over the query positions; None for a
+        layer that asked only `wants_visible_keys` (the forward's attention ran, nothing was summed)."""
 
     def observe_visible_keys(self, visible: torch.Tensor | None) -> None:
         """Called by the attention function just before `observe_attention`, over the same keys: `[batch, tokens]`

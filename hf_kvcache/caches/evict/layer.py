@@ -4,8 +4,9 @@ Data flow of one forward: `update` appends the new tokens (`slots.SlotLayer`; qu
 sees the held tokens dequantized and the new ones exact) and returns everything held; the `"hf_kvcache"` attention
 reports the last queries (`observe_queries`: policies that read a window of queries, and mass policies until they
 evict, for `crop`), which keys the mask lets any query see (`observe_visible_keys`) and the attention mass each key
-received, summed over the query heads of its group and over the queries (`observe_attention`); the layer adds the
-mass to the scores (fading them by the policy's decay first) and evicts down to the budget with its policy
+received, summed over the query heads of its group and over the queries (`observe_attention`; computed only for
+the policies that rank by it, `uses_mass`: the others get `None` and their attention stays torch SDPA); the layer
+adds the mass to the scores (fading them by the policy's decay first) and evicts down to the budget with its policy
 (`evict`). Between two forwards a layer holds at most `budget` tokens (`budget + evict_every - 1` with
 `evict_every`); during one, at most `budget` + the new tokens. A policy that reads a window keeps the queries of the
 last `window` positions in a ring (`policy.ring.QueryRing`, 16 bits, 8 with `quant` when it holds more than one),
@@ -57,7 +58,6 @@ class H2OLayer(SlotLayer):
     """One layer's kept tokens (`slots`), plus the queries of the last `query_window` positions (`ring`) for
     policies that read them (see the module docstring)."""
 
-    wants_attention_mass = True  # all policies: the padding flags of new tokens, and the scores of mass policies
     mask_from_end = True  # a layer holding fewer slots than the first reads the mask's last columns
 
     def __init__(self, options: EvictOptions | None = None) -> None:
@@ -76,6 +76,17 @@ class H2OLayer(SlotLayer):
     def _clear_queries(self) -> None:
         self.ring: QueryRing | None = None  # the last `query_window` queries
         self._new_queries = 0
+
+    @property
+    def wants_attention_mass(self) -> bool:
+        """The policies that rank by the attention mass (`uses_mass`) ask for it, outside a reconstruction forward."""
+        return self.scoring is None and self.policy.uses_mass
+
+    @property
+    def wants_visible_keys(self) -> bool:
+        """Every policy: the padding flags of new tokens and the end of each forward (where the layer evicts); not
+        inside a reconstruction forward, whose tokens leave no trace."""
+        return self.scoring is None
 
     @property
     def query_window(self) -> int:
@@ -145,13 +156,15 @@ class H2OLayer(SlotLayer):
         if self._new_queries and self.ring is not None:  # a padding position is no query either
             self.ring.mark_invisible(visible, self._new_queries)
 
-    def observe_attention(self, mass: torch.Tensor) -> None:
+    def observe_attention(self, mass: torch.Tensor | None) -> None:
         if not self._pending:
             return  # e.g. the attention of a layer called twice per forward: count the first call only
         valid = self.slots.valid
-        if mass.shape != valid.shape:
+        if mass is not None and mass.shape != valid.shape:
             raise ValueError(f"attention mass {tuple(mass.shape)} does not match the held slots {tuple(valid.shape)}")
         if self.policy.uses_mass:
+            if mass is None:
+                raise ValueError(f"policy {self.policy.core.name!r} ranks by the attention mass, and none was reported")
             scores = self.slots.scores
             decay = self.policy.mass_decay
             if decay is not None:  # the held tokens' mass fades per new query; the new mass is added as it came
@@ -260,8 +273,12 @@ class H2OLayer(SlotLayer):
     def key_mask(self) -> torch.Tensor | None:
         """`[batch, kv_heads, slots]` bool for the keys the last `update` returned: False for the slots a head does not
         hold (and padding); the `"hf_kvcache"` attention masks them per head. None unless heads hold different
-        counts (`AdaKV`)."""
-        return self.slots.valid if self.policy.ragged_heads and self.counts is None and self.slots is not None else None
+        counts (`AdaKV`), or while every head holds every slot (nothing to mask beyond the model's own mask, so the
+        attention keeps torch SDPA's fast paths)."""
+        if not self.policy.ragged_heads or self.counts is not None or self.slots is None:
+            return None
+        valid = self.slots.valid
+        return None if bool(valid.all()) else valid
 
     # ---- positions, masks, batch contract -----------------------------------------------------------------------
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

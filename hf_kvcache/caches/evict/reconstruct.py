@@ -19,8 +19,9 @@ of its usual bookkeeping (no attention mass is asked, nothing is evicted); after
 back as it was (the repeat tokens leave no trace: the layers' attributes are restored, their tensors are never
 written in place). The largest (or summed) attention over all forwards becomes the slots' scores. Extra cost: one
 more pass of the context through the model, `chunk` + prompt tokens at a time, with attention over the whole
-context; extra memory: the activations of one such forward plus `[batch, kv_heads, group, 64, held]` float32 of
-attention probabilities at a time.
+context; extra memory: the activations of one such forward plus `[batch, kv_heads, group, 64, keys]` float32 of
+attention probabilities at a time (keys: every held one, or with scope "span" the sinks, the span and the repeat
+tokens only). The prefill before it runs on torch SDPA: the policy asks the attention for no mass.
 """
 
 from __future__ import annotations
@@ -76,8 +77,16 @@ class ContextScoring:
         key_valid[:, :, scored:] = self.query_valid[:, None].to(key_valid.device)
         seen = layer.cumulative_length
         positions = torch.arange(seen - w, seen, device=queries.device)
-        part = reconstruction_scores(queries, positions, self.query_valid.to(queries.device), layer.held_keys(),
-                                     s.positions, key_valid, scaling, scored, self.reduce)
+        keys, key_positions, columns = layer.held_keys(), s.positions, None
+        if self.span is not None:  # only the sinks, the span and the repeat tokens are in the softmax: the rest
+            # of the held slots gets probability 0 whatever its logit, so its logits are not computed
+            columns = key_valid.flatten(0, 1).any(0).nonzero().squeeze(-1)
+            keys, key_positions, key_valid = keys[:, :, columns], key_positions[:, :, columns], key_valid[:, :, columns]
+            columns = columns[columns < scored]
+        part = reconstruction_scores(queries, positions, self.query_valid.to(queries.device), keys, key_positions,
+                                     key_valid, scaling, scored if columns is None else len(columns), self.reduce)
+        if columns is not None:
+            part = part.new_zeros(*part.shape[:2], scored).index_copy_(2, columns.to(part.device), part)
         if self.best is None:
             self.best = part
         else:
@@ -133,7 +142,6 @@ def score_context(model: Any, cache: "H2OCache", context_ids: torch.Tensor | Seq
         for layer, prev in zip(layers, best):
             layer.scoring = ContextScoring(span.shape[1], span_mask.bool(), policy.reduce, prev,
                                            (start, end) if local else None, policy.sink_count)
-            layer.wants_attention_mass = False  # the queries are all this forward needs: plain attention
         try:
             model(input_ids=span, attention_mask=torch.cat([seen_mask, span_mask], 1), position_ids=positions,
                   past_key_values=cache, use_cache=True, logits_to_keep=1)

@@ -267,6 +267,30 @@ def test_eager_model_gets_a_clear_error(tiny_model):
         model.set_attn_implementation("sdpa")
 
 
+@pytest.mark.parametrize("policy,mass", [(H2OPolicy(), True), (SnapKVPolicy(window=8), False),
+                                         (AdaKV(SnapKVPolicy(window=8)), False), ("reconstruct", False)],
+                         ids=["h2o", "snapkv", "snapkv-head-budgets", "reconstruct"])
+def test_only_mass_policies_ask_the_attention_for_the_mass(tiny_model, monkeypatch, policy, mass):
+    """A policy that does not rank by the attention mass gets the padding flags without it: its forwards stay on
+    torch SDPA (the blockwise kernel, which sums the mass, never runs), padding is still marked, and before anything
+    is evicted the logits are a DynamicCache's."""
+    from hf_kvcache.attention import BlockwiseTorchKernel
+
+    calls = []
+    blockwise = BlockwiseTorchKernel.__call__
+    monkeypatch.setattr(BlockwiseTorchKernel, "__call__", lambda self, call: calls.append(1) or blockwise(self, call))
+    ids = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    cache = H2OCache(config=tiny_model.config, budget=1.0, policy=policy)
+    with torch.inference_mode():
+        out = tiny_model(ids, attention_mask=mask, past_key_values=cache).logits
+        ref = tiny_model(ids, attention_mask=mask, past_key_values=DynamicCache(config=tiny_model.config)).logits
+    assert cache.layers[0].wants_attention_mass is mass and bool(calls) is mass
+    assert torch.equal(cache.layers[0].held_valid()[:, 0], mask.bool())  # the padding flags arrived either way
+    torch.testing.assert_close(out[mask.bool()], ref[mask.bool()], atol=1e-5, rtol=1e-5)
+
+
 # ---- crop before eviction ---------------------------------------------------------------------------------------------
 @pytest.mark.parametrize(
     "policy",
