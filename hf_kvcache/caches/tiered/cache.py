@@ -42,12 +42,12 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
             for layer, rope in self._layer_ropes(config, _rope_user(self.options), instead, "undoes RoPE",
                                                  (TieredQuantLayer,)):
                 layer.rope = rope
-        target = getattr(self.options, "target_ratio", None)
-        if target is not None:
-            budget = RatioBudget(target, self.layers)
-            for layer in self.layers:
-                if isinstance(layer, TieredQuantLayer):
-                    layer.budget = budget
+        target, least = getattr(self.options, "target_ratio", None), getattr(self.options, "min_ratio", None)
+        budget = None if target is None else RatioBudget(target, self.layers)
+        cap = None if least is None else RatioBudget(least, self.layers)
+        for layer in self.layers:
+            if isinstance(layer, TieredQuantLayer):
+                layer.budget, layer.ratio_floor = budget, cap
 
     def quality_metrics(self) -> dict[str, Any]:
         """A cheap online quality proxy (`hf_kvcache.calibrate.quality`): `proxy`, the relative squared error of the

@@ -65,6 +65,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         self._in_flight = 0
         self.quality = QualityTracker()  # error of every block quantized in this sequence (`quality_metrics`)
         self.budget: RatioBudget | None = None  # the cache's memory target (`target_ratio`), set by the cache
+        self.ratio_floor: RatioBudget | None = None  # the cap on the warm tier (`min_ratio`), set by the cache
         if self.is_sliding:
             check_positive_int("sliding_window", sliding_window)
         self.plan: TieredQuantOptions = self._plan()
@@ -347,13 +348,16 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
     def _warm_target(self) -> int:
         """Positions the warm tier keeps now: warm_length (less what pays for a fitted archive state, with
         `fitted_state_from_warm`), warm_fraction of the positions seen (of the window), or what the memory target
-        allows (`budget`, full-attention layers), whichever is most."""
+        allows (`budget`, full-attention layers), whichever is most; at most what `min_ratio` allows (`ratio_floor`,
+        full-attention layers), but never below the first."""
         p = self.plan
         seen = self.cumulative_length if self.sliding_window is None else min(self.cumulative_length, self.sliding_window)
         floor = fitted_warm_floor(self) if p.fitted_state_from_warm and not self.is_sliding else p.warm_length
         target = max(floor, int(p.warm_fraction * seen) // p.group_size * p.group_size)
         if self.budget is not None and not self.is_sliding:
             target = max(target, self.budget.warm_positions(self))
+        if self.ratio_floor is not None and not self.is_sliding:
+            target = max(floor, min(target, self.ratio_floor.warm_positions(self)))
         if self._in_chunked_prefill:
             target = max(target, p.prefill_warm_positions)
         return target

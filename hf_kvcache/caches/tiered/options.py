@@ -74,6 +74,10 @@ class TieredQuantOptions(CacheOptions):
       (`caches.budget.RatioBudget`: the bytes every tensor of the cache holds, sliding-window layers included, at
       most fp16 bytes / target_ratio once the context is long enough for it): the newest positions get warm_bits
       as far as that memory goes (None: no memory target)
+    - min_ratio: the warm tier keeps no more positions than the cache's memory allows at this ratio vs fp16 (the same
+      `RatioBudget` as target_ratio, read as a cap on what warm_fraction and target_ratio give full-attention
+      layers; never fewer than warm_length): the whole cache stays at least this many times smaller than fp16 once
+      the context is long enough for it (None: no cap; at most target_ratio when both are set)
     - warm_bits / archive_bits: code widths of the two quantized tiers (1..8; 1, 2, 4, 8 unpack by table lookup)
     - archive_key_bits: the archive's key width when it differs from its value width (None: archive_bits; not
       with the adaptive archive; the subspace archive spreads it over the key directions as it does archive_bits).
@@ -186,6 +190,7 @@ class TieredQuantOptions(CacheOptions):
     fitted_state_from_warm: bool = False
     warm_fraction: float = 0.22
     target_ratio: float | None = None
+    min_ratio: float | None = None
     warm_bits: int = 4
     archive_bits: int = 2
     archive_key_bits: int | None = None
@@ -223,6 +228,10 @@ class TieredQuantOptions(CacheOptions):
         check_bool("fitted_state_from_warm", self.fitted_state_from_warm)
         check_number("warm_fraction", self.warm_fraction, 0.0, 1.0)
         check_number("target_ratio", self.target_ratio, 1.0, lo_open=True, allow_none=True)
+        check_number("min_ratio", self.min_ratio, 1.0, lo_open=True, allow_none=True)
+        if None not in (self.min_ratio, self.target_ratio) and self.min_ratio > self.target_ratio:
+            raise ValueError(f"min_ratio={self.min_ratio} caps the warm tier below what target_ratio="
+                             f"{self.target_ratio} fills it to: set min_ratio <= target_ratio, or one of them to None")
         check_int("warm_bits", self.warm_bits, 1, 8)
         check_int("archive_bits", self.archive_bits, 1, 8)
         if self.archive_key_bits is not None:

@@ -188,6 +188,8 @@ def test_a_fitted_state_is_paid_from_the_warm_floor_where_the_target_is_out_of_r
     (dict(archive_key_bits=9), "archive_key_bits"),
     (dict(archive_key_bits=3, archive_quantizer="adaptive"), "the adaptive archive takes one width per format"),
     (dict(target_ratio=1.0), "target_ratio"),
+    (dict(min_ratio=1.0), "min_ratio"),
+    (dict(min_ratio=5.0, target_ratio=4.0), "set min_ratio <= target_ratio"),
     (dict(archive_fit_positions=-1), "archive_fit_positions"),
     (dict(fitted_state_from_warm=1), "fitted_state_from_warm"),
 ])
@@ -240,6 +242,30 @@ def test_target_ratio_sizes_the_warm_tier_by_memory():
     assert plain.layers[0].tiers.tokens("warm") == 64 and plain.memory_stats()["ratio"] > ratios[-1] + 0.2
     costs = position_costs(budget.layers[0])
     assert costs.exact == 256 and costs.warm == 80 and costs.archive == 46  # bytes per position and KV head
+
+
+def test_min_ratio_caps_what_warm_fraction_keeps():
+    """The default's warm tier grows with the context (warm_fraction), so a mid-length cache sits below 5x; with
+    min_ratio the warm tier keeps no more than the 5x memory allows, and a cap that never binds changes nothing."""
+    options = dict(rotation="static", archive_group_size=64, warm_length=64, warm_fraction=0.22)
+    caches = [TieredQuantCache(config=llama_config(), **options, **extra)
+              for extra in ({}, {"min_ratio": 5.0}, {"min_ratio": 1.5})]
+    ratios = []
+    for _ in range(32):  # 8192 positions in 256-position chunks
+        for cache in caches:
+            stream_random(cache, [256], B, H, 64, LAYERS)
+        ratios.append([c.memory_stats()["ratio"] for c in caches])
+    uncapped, capped, loose = zip(*ratios)
+    # short: the tail alone keeps both below 5x, and the cap leaves warm_length
+    assert capped[1] < 5.0 and caches[1].layers[0].plan.warm_length == 64
+    # from 1792 positions on the capped cache stays at 5x or more (measured 5.09-5.38x), where the fraction alone
+    # sat at 4.50-4.89x up to 4096 positions (measured)
+    assert all(r >= 5.0 for r in capped[6:]) and max(uncapped[6:16]) < 4.9 and max(capped) < 5.4
+    assert caches[1].layers[0].tiers.tokens("warm") < caches[0].layers[0].tiers.tokens("warm")
+    # a cap above what the fraction keeps stores the same tensors
+    assert loose == uncapped
+    for a, b in zip(caches[0].layers, caches[2].layers):
+        assert all(torch.equal(x, y) for x, y in zip(a.stored_tensors(), b.stored_tensors()))
 
 
 def test_target_ratio_counts_the_sliding_layers():
