@@ -15,12 +15,10 @@ same length.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import time
 from dataclasses import dataclass
 
-from ..isolated import in_fresh_process, status_kib
+from ..isolated import in_fresh_process, peak_since_kib, reset_peak_kib
 from ..rows import Row, make_row
 from .options import SuiteOptions, new_tokens_option
 
@@ -58,11 +56,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, text: str, st
     cache = None if plain else CacheSpec.parse(spec).build(model)
     if chunk is not None and hasattr(cache, "prefill_chunk_size"):
         cache.prefill_chunk_size = chunk
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back, so the baseline RSS is what is live
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset VmHWM to the current RSS
-    before = status_kib("VmRSS")
+    before = reset_peak_kib()  # the baseline is what is live now
     t0 = time.perf_counter()
     with torch.no_grad():
         kwargs = {} if cache is None else {"past_key_values": cache}
@@ -70,9 +64,9 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, text: str, st
             kwargs["prefill_chunk_size"] = chunk or CompressedCache.prefill_chunk_size
         out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)
     seconds = time.perf_counter() - t0
-    peak = status_kib("VmHWM")
+    added = peak_since_kib(before)
     stats = memory_stats(cache) if cache is not None else {}  # peers (transformers' caches) too
-    return {"peak_added_bytes": (peak - before) * 1024, "seconds": seconds, "cache_bytes": stats.get("bytes"),
+    return {"peak_added_bytes": added * 1024, "seconds": seconds, "cache_bytes": stats.get("bytes"),
             "new_tokens": int(out.shape[1] - ids.shape[1])}
 
 

@@ -4,9 +4,11 @@ relative to a plain prefill.
     hf-kvcache compare --suite reconstruct-cost --model qwen2.5-coder-0.5b --tokens 4096 --chunk 512 --json ROWS
 
 Each variant runs in a fresh process (`eval/isolated.py`, so that the peak resident memory of one does not hide the
-other's): it loads the model, reads its resident memory after a 64-token warm-up forward, then prefills `--tokens`
-tokens (2048) of Moby Dick (from character 200000) in one forward and reads the peak resident memory
-(`ru_maxrss`); the row gives the seconds and the peak over the loaded model (`peak_mib`). Variants (`--variants`):
+other's): it loads the model, runs a 64-token warm-up forward, hands freed heap back and resets the peak counter
+(`isolated.reset_peak_kib`: its resident memory then is the baseline), prefills `--tokens` tokens (2048) of Moby
+Dick (from character 200000) in one forward and reads the peak resident memory (VmHWM); the row gives the seconds
+and the peak over the baseline (`peak_mib`; rows before 2026-11-30 took the process's lifetime peak, `ru_maxrss`,
+over the resident memory after the warm-up, which could read slightly below zero). Variants (`--variants`):
 `plain` (the full cache, `DynamicCache`, the model's SDPA attention), `evict` (the evicting cache with the `snapkv`
 policy, which needs the attention mass: the `"hf_kvcache"` attention), `reconstruct` (the evicting cache with the
 `reconstruct` policy: the prefill, then `score_context` in `--chunk`-token forwards (512), then the eviction; its row
@@ -18,12 +20,11 @@ cache with another `reconstruct` setting) is held, scored and evicted, its secon
 from __future__ import annotations
 
 import os
-import resource
 import time
 from dataclasses import dataclass
 
 from ..bench import CacheSpec, parse_specs
-from ..isolated import in_fresh_process, status_kib
+from ..isolated import in_fresh_process, peak_since_kib, reset_peak_kib
 from ..rows import Row, make_row
 from .options import SuiteOptions, option
 
@@ -59,7 +60,7 @@ def measure(model_name: str, tokens: int, variant: str, chunk: int, spec: str | 
     context = torch.tensor([ids])
     torch.set_grad_enabled(False)
     model(context[:, :64], past_key_values=DynamicCache(config=model.config), use_cache=True)  # first-call setup
-    base = status_kib("VmRSS")
+    base = reset_peak_kib()
     out: dict = {}
     t0 = time.perf_counter()
     if variant == "plain":
@@ -81,7 +82,7 @@ def measure(model_name: str, tokens: int, variant: str, chunk: int, spec: str | 
         if scored_layers(cache):
             out["score_seconds"] = time.perf_counter() - t0 - out["prefill_seconds"]
     out["seconds"] = time.perf_counter() - t0
-    out["peak_mib"] = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) / 1024
+    out["peak_mib"] = peak_since_kib(base) / 1024
     return out
 
 

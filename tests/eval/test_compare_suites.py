@@ -250,7 +250,8 @@ def test_calibration_suite_reports_each_layers_recipe_and_refuses_caches_without
 
 
 def test_prefill_memory_and_reconstruct_cost_measure_each_row_in_a_fresh_process(tmp_path, moby_text):
-    """Each row in its own spawned process: a peak above the loaded model, and the bytes the cache holds."""
+    """Each row in its own spawned process: a peak above the loaded model (never below it, by construction), and the
+    bytes the cache holds."""
     path = tmp_path / "memory.json"
     assert main(["compare", "--suite", "prefill-memory", "--tokens", "96", "--new-tokens", "2", "--caches", "dynamic",
                  "int8", "--json", str(path)]) == 0
@@ -262,7 +263,7 @@ def test_prefill_memory_and_reconstruct_cost_measure_each_row_in_a_fresh_process
     assert main(["compare", "--suite", "reconstruct-cost", "--tokens", "96", "--chunk", "48", "--variants", "plain",
                  "reconstruct", "--json", str(path)]) == 0
     plain, scored = json.loads(path.read_text())
-    assert (plain["cache"], scored["cache"]) == ("plain", "reconstruct") and plain["peak_mib"] >= 0
+    assert (plain["cache"], scored["cache"]) == ("plain", "reconstruct") and scored["peak_mib"] > 0
     assert scored["seconds"] >= scored["prefill_seconds"] > 0 and scored["score_seconds"] > 0
     spec = 'span=h2o:{"budget": 0.5, "policy": {"name": "reconstruct", "chunk": 32, "scope": "span"}}'
     assert main(["compare", "--suite", "reconstruct-cost", "--tokens", "96", "--variants", "plain", "--caches", spec,
