@@ -13,7 +13,7 @@ from .caches import (
     UniformQuantCache,
     memory_stats,
 )
-from .caches.tiered import LONG_CONTEXT
+from .caches.tiered import LONG_CONTEXT, RETRIEVAL
 from .paged import PagedCache
 from .registry import attached, build_cache, cache_names, fixed, install, preset, register_cache
 from .attention import register as _register_attention
@@ -28,6 +28,7 @@ register_cache("fp8", fixed(UniformQuantCache, dtype="fp8_e4m3"))
 register_cache("uniform", UniformQuantCache)
 register_cache("tiered", TieredQuantCache)
 register_cache("tiered_long", preset(TieredQuantCache, **LONG_CONTEXT))  # query-free, the same in any loop
+register_cache("tiered_retrieval", preset(TieredQuantCache, **RETRIEVAL))  # keeps more of what long prompts are asked
 register_cache("kivi", KIVICache)
 register_cache("cpac", CPACCache)
 register_cache("h2o", H2OCache)
@@ -46,6 +47,7 @@ __all__ = [
     "TieredQuantCache",
     "KIVICache",
     "LONG_CONTEXT",
+    "RETRIEVAL",
     "PagedCache",
     "memory_stats",
     "attached",

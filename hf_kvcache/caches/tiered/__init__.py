@@ -35,6 +35,7 @@ from .options import (
     CLIP_TARGETS,
     LONG_CONTEXT,
     QUANTIZERS,
+    RETRIEVAL,
     ROTATION_DTYPES,
     ROTATIONS,
     SLIDING_DEFAULT,
@@ -48,7 +49,7 @@ from .options import (
 )
 
 __all__ = [
-    "CALIBRATION_GROUPS", "CLIP_TARGETS", "LONG_CONTEXT", "QUANTIZERS", "ROTATION_DTYPES", "ROTATIONS", "SLIDING_DEFAULT",
+    "CALIBRATION_GROUPS", "CLIP_TARGETS", "LONG_CONTEXT", "QUANTIZERS", "RETRIEVAL", "ROTATION_DTYPES", "ROTATIONS", "SLIDING_DEFAULT",
     "SLIDING_FIELDS", "TAIL_DTYPES", "TIERS", "KIVICache", "KIVILayer", "KIVIOptions", "TierCalibration",
     "TieredQuantCache", "TieredQuantLayer", "TieredQuantOptions", "largest_divisor", "needs_rope",
 ]

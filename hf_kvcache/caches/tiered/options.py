@@ -38,6 +38,12 @@ SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "w
 LONG_CONTEXT = {"rotation": "static", "archive_key_bits": 3, "archive_group_size": 128, "warm_length": 64,
                 "warm_fraction": 0.0, "target_ratio": 5.0,
                 "sliding": {**SLIDING_DEFAULT, "archive_group_size": 64}}
+# `cache_implementation="tiered_retrieval"`: the archive format chosen per layer from its queries (KIVI or a fitted
+# subspace basis), the warm tier sized by a 5.15x memory target, a fitted basis paid from the warm floor at short
+# lengths, calibration on the prompt as it comes (chosen on held-out RULER-style samples, rounds 7-13 of
+# docs/rows/ruler_tiered_selection_rule.md, for Qwen2.5-like models; not the default: SmolLM2's 2K perplexity)
+RETRIEVAL = {"archive_candidates": ["kivi", "subspace"], "warm_fraction": 0.0, "target_ratio": 5.15,
+             "fitted_state_from_warm": True, "calibration_positions": 0}
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 

@@ -335,3 +335,15 @@ def test_the_long_context_name_is_a_preset_the_user_can_override():
     assert cache.options.target_ratio == 6.0 and cache.options.sliding == {"warm_bits": 4}
     assert LONG_CONTEXT["target_ratio"] == 5.0 and LONG_CONTEXT["sliding"]["archive_group_size"] == 64
     assert build_cache("tiered_long", llama_config()).options.target_ratio == 5.0
+
+
+def test_the_retrieval_name_is_the_measured_setting():
+    """`tiered_retrieval` is the setting the RULER-style rows label `t-cand515-w` (docs/results/ruler.md), spelled out
+    here so that a change to the preset that departs from what was measured fails."""
+    from hf_kvcache import build_cache
+    from hf_kvcache.caches.tiered import TieredQuantOptions
+
+    measured = TieredQuantOptions(archive_candidates=["kivi", "subspace"], warm_fraction=0.0, target_ratio=5.15,
+                                  fitted_state_from_warm=True, calibration_positions=0)
+    assert build_cache("tiered_retrieval", llama_config()).options == measured
+    assert build_cache("tiered_retrieval", llama_config(), target_ratio=6.0).options.target_ratio == 6.0
