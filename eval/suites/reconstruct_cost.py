@@ -44,14 +44,21 @@ class ReconstructCostOptions(SuiteOptions):
 OPTIONS = ReconstructCostOptions
 
 
-def measure(model_name: str, tokens: int, variant: str, chunk: int, spec: str | None = None) -> dict:
-    """One variant (or, with `spec`, one `--caches` spec) in this process (see the module docstring): seconds and
-    peak memory over the loaded model."""
+def variant_spec(variant: str, chunk: int) -> str | None:
+    """The cache spec a named variant measures (None: `plain`, a `DynamicCache` on the model's own attention)."""
+    policy = {"evict": '"snapkv"', "reconstruct": f'"reconstruct", "chunk": {chunk}'}.get(variant)
+    return None if policy is None else f'h2o:{{"budget": 0.25, "policy": {policy}}}'
+
+
+def measure(model_name: str, tokens: int, spec: str | None) -> dict:
+    """One prefill in this process (see the module docstring): `spec` None, the plain one; otherwise the cache it
+    builds, attached, its context held and scored where its policy scores by reconstruction. Seconds and peak memory
+    over the loaded model."""
     import torch
     from transformers import DynamicCache
 
     from hf_kvcache.caches.evict.reconstruct import held_for_scoring, reconstruction_prompt_ids, scored_layers
-    from hf_kvcache.registry import attached, build_cache
+    from hf_kvcache.registry import attached
 
     from ..assets import load_model, load_text
 
@@ -63,17 +70,10 @@ def measure(model_name: str, tokens: int, variant: str, chunk: int, spec: str | 
     base = reset_peak_kib()
     out: dict = {}
     t0 = time.perf_counter()
-    if variant == "plain":
+    if spec is None:
         model(context, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
-    elif variant == "evict" and spec is None:
-        cache = build_cache("h2o", model.config, budget=0.25, policy="snapkv")
-        with attached(model, cache):
-            model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
     else:
-        if spec is None:
-            cache = build_cache("h2o", model.config, budget=0.25, policy="reconstruct", chunk=chunk)
-        else:
-            cache = CacheSpec.parse(spec).build(model)
+        cache = CacheSpec.parse(spec).build(model)
         prompt = reconstruction_prompt_ids(tokenizer)
         with attached(model, cache):
             with held_for_scoring(model, cache, context, prompt):
@@ -93,12 +93,11 @@ def run(opts: ReconstructCostOptions) -> list[Row]:
     if unknown:
         raise ValueError(f"unknown variant(s) {unknown}; --variants takes some of: {' '.join(VARIANTS)}")
     specs = parse_specs(opts.caches) if opts.caches else []
-    runs = [(variant, variant, None) for variant in opts.variants]
-    runs += [(spec.label, "spec", text) for spec, text in zip(specs, opts.caches or [])]
+    runs = [(variant, variant_spec(variant, chunk)) for variant in opts.variants]
+    runs += [(spec.label, text) for spec, text in zip(specs, opts.caches or [])]
     rows = []
-    for label, variant, text in runs:
-        result = in_fresh_process(measure, model_name=opts.model, tokens=tokens, variant=variant, chunk=chunk,
-                                  spec=text)
+    for label, text in runs:
+        result = in_fresh_process(measure, model_name=opts.model, tokens=tokens, spec=text)
         rows.append(make_row("reconstruct-cost", label, opts.model, tokens, chunk=chunk,
                              threads=os.environ.get("OMP_NUM_THREADS"), **result))
         if opts.progress:
