@@ -251,14 +251,14 @@ def test_min_ratio_caps_what_warm_fraction_keeps():
     caches = [TieredQuantCache(config=llama_config(), **options, **extra)
               for extra in ({}, {"min_ratio": 5.0}, {"min_ratio": 1.5})]
     ratios = []
-    for _ in range(32):  # 8192 positions in 256-position chunks
+    for _ in range(20):  # 5120 positions in 256-position chunks
         for cache in caches:
             stream_random(cache, [256], B, H, 64, LAYERS)
         ratios.append([c.memory_stats()["ratio"] for c in caches])
     uncapped, capped, loose = zip(*ratios)
     # short: the tail alone keeps both below 5x, and the cap leaves warm_length
     assert capped[1] < 5.0 and caches[1].layers[0].plan.warm_length == 64
-    # from 1792 positions on the capped cache stays at 5x or more (measured 5.09-5.38x), where the fraction alone
+    # from 1792 positions on the capped cache stays at 5x or more (measured 5.14-5.38x), where the fraction alone
     # sat at 4.50-4.89x up to 4096 positions (measured)
     assert all(r >= 5.0 for r in capped[6:]) and max(uncapped[6:16]) < 4.9 and max(capped) < 5.4
     assert caches[1].layers[0].tiers.tokens("warm") < caches[0].layers[0].tiers.tokens("warm")
