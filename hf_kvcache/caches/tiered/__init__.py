@@ -49,7 +49,7 @@ from .options import (
 )
 
 __all__ = [
-    "CALIBRATION_GROUPS", "CLIP_TARGETS", "LONG_CONTEXT", "QUANTIZERS", "RETRIEVAL", "ROTATION_DTYPES", "ROTATIONS", "SLIDING_DEFAULT",
-    "SLIDING_FIELDS", "TAIL_DTYPES", "TIERS", "KIVICache", "KIVILayer", "KIVIOptions", "TierCalibration",
-    "TieredQuantCache", "TieredQuantLayer", "TieredQuantOptions", "largest_divisor", "needs_rope",
+    "CALIBRATION_GROUPS", "CLIP_TARGETS", "LONG_CONTEXT", "QUANTIZERS", "RETRIEVAL", "ROTATION_DTYPES", "ROTATIONS",
+    "SLIDING_DEFAULT", "SLIDING_FIELDS", "TAIL_DTYPES", "TIERS", "KIVICache", "KIVILayer", "KIVIOptions",
+    "TierCalibration", "TieredQuantCache", "TieredQuantLayer", "TieredQuantOptions", "largest_divisor", "needs_rope",
 ]
