@@ -12,6 +12,13 @@ from __future__ import annotations
 import torch
 
 SUPPORTED_ROPE = ("default", "linear", "llama3", "yarn")
+SHARED_POSITIONS = 64  # `KeyRotation.cos_sin_shared` keeps the angles of at most this many positions
+
+
+def version_of(t: torch.Tensor) -> int:
+    """`t`'s in-place version counter, which memos of position tensors compare; -1 for an inference tensor, which
+    has none (positions are never written in place: the memos trust the tensor then)."""
+    return -1 if t.is_inference() else t._version
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -96,6 +103,17 @@ class KeyRotation:
         """cos and sin `[*positions.shape, D/2]` (float32) of the angles at `positions`, one per frequency."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
         return freqs.cos(), freqs.sin()
+
+    def cos_sin_shared(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin_at`, the last answer given again while the same tensor of at most `SHARED_POSITIONS` positions
+        asks unchanged (every layer of a decode step asks at its new tokens'); callers only read the result."""
+        last = getattr(self, "_shared", None)
+        if last is not None and last[0] is positions and last[1] == version_of(positions):
+            return last[2]
+        angles = self.cos_sin_at(positions)
+        if positions.numel() <= SHARED_POSITIONS:
+            self._shared = (positions, version_of(positions), angles)
+        return angles
 
     def _turn_at(self, x: torch.Tensor, positions: torch.Tensor, sign: float) -> torch.Tensor:
         """`x * cos + sign * rotate_half(x) * sin` at `positions`, written per half of the last dim so that the

@@ -26,7 +26,7 @@ import math
 import torch
 
 from . import native, native_step, native_subspace
-from .blockwise import combine, dense_partial, finish, normalized, rows_mask, scratch
+from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
 from .from_subspace import subspace_mass, subspace_partial
 from .segments import (FullSegment, QuantSegment, Segment, SubspaceSegment, TokenSegment, dense_segments,
@@ -100,17 +100,17 @@ def decode_attention(
     gpu_step = use_triton and q_len == 1 and attention_mask is None and not return_mass  # one launch serves it
     if gpu_step and not overlays and all(isinstance(s, FullSegment) for s in segments):
         return _dense_step_sdpa(query, segments, scaling), None
-    q = group_queries(query.float() * scaling, kv_heads)
+    q = group_queries((query if query.dtype == torch.float32 else query.float()) * scaling, kv_heads)
     total = sum(s.tokens for s in segments)
     dot_f32 = query.dtype == torch.float32  # the GPU kernels' dots: fp32 for fp32 models, else fp16 operands
     if not (return_mass or use_triton or use_native is False or overlays or q_len != 1):
-        part = _token_step_native(q, segments, attention_mask, total, group)
-        if part is not None:  # the output alone: nobody reads the log-sum-exp here
-            return ungroup_rows(normalized(part), hq, q_len).to(query.dtype), None
+        out = _token_step_native(q, segments, attention_mask, total, group)
+        if out is not None:  # the output alone: nobody reads the log-sum-exp here
+            return _in_dtype(ungroup_rows(out, hq, q_len), query.dtype), None
     if not (return_mass or use_triton or use_native is False or q_len != 1):
         out = _segments_step_native(q, segments, overlays, attention_mask, total, group)
         if out is not None:
-            return ungroup_rows(out, hq, q_len).to(query.dtype), None
+            return _in_dtype(ungroup_rows(out, hq, q_len), query.dtype), None
     if gpu_step:
         out = _step_triton(q, segments, overlays, query.dtype, dot_f32)
         if out is not None:
@@ -276,9 +276,14 @@ def _token_kernel_partial(q, seg: TokenSegment, key_valid, seg_mask, use_triton:
     return None
 
 
+def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def _token_step_native(q, segments: list[Segment], attention_mask, total: int, group: int):
-    """The partial of a one-position step (grouped queries `q` [B, H, group, D]) over one per-token segment followed
-    by a few full-precision tokens that every row sees (the uniform caches' decode step), in one native call; None
+    """The normalized output `[B, H, group, D]` of a one-position step (grouped queries `q` [B, H, group, D]) over one
+    per-token segment followed by a few full-precision tokens that every row sees (the uniform caches' decode step),
+    in one native call; None
     where that does not apply (other segments, a masked new token, more than `native.max_dense()` new tokens, a shape
     the kernel has no variant for)."""
     seg, rest = segments[0], segments[1:]
@@ -293,7 +298,7 @@ def _token_step_native(q, segments: list[Segment], attention_mask, total: int, g
             return None
         key_valid = cols[:, : seg.tokens].expand(q.shape[0], -1)
     dk, dv, _ = _dense_keys([(s, 0, None) for s in rest], q.shape[0], 1, group)
-    return native.token_partial_native(q, seg, key_valid, dense=(dk, dv))
+    return native.token_output_native(q, seg, key_valid, dense=(dk, dv))
 
 
 def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment], attention_mask, total: int,
@@ -310,9 +315,9 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
         stop = start + seg.tokens
         if isinstance(seg, (QuantSegment, SubspaceSegment)) and not dense:
             valid = None if cols is None else cols[:, start:stop].expand(b, -1)
-            hidden = _overlaid_columns(overlays, start, stop, q.device)
-            if hidden is not None:
-                valid = ~hidden.expand(b, -1) if valid is None else valid & ~hidden
+            visible = _visible_columns(overlays, start, stop, q.device)
+            if visible is not None:
+                valid = visible.expand(b, -1) if valid is None else valid & visible
             if isinstance(seg, QuantSegment):
                 seg.check()
                 quant.append((_in_key_basis(q, seg, rotated), seg, valid))
@@ -390,15 +395,29 @@ def _dense_keys(dense, b: int, q_len: int, group: int):
 
 
 def _overlaid_columns(overlays: list[FullSegment], start: int, stop: int, device) -> torch.Tensor | None:
-    """Boolean [stop - start]: columns of [start, stop) some overlay replaces; None when none does."""
-    hidden = None
-    for o in overlays:
-        lo, hi = max(start, o.overlay_at), min(stop, o.overlay_at + o.tokens)
-        if lo < hi:
-            if hidden is None:
-                hidden = torch.zeros(stop - start, dtype=torch.bool, device=device)
-            hidden[lo - start : hi - start] = True
-    return hidden
+    """Boolean [stop - start]: columns of [start, stop) some overlay replaces; None when none does (read only: the
+    same tensor serves every layer of a step)."""
+    return _columns(overlays, start, stop, device, 0)
+
+
+def _visible_columns(overlays: list[FullSegment], start: int, stop: int, device) -> torch.Tensor | None:
+    """The negation of `_overlaid_columns` (read only), None when no overlay reaches [start, stop)."""
+    return _columns(overlays, start, stop, device, 1)
+
+
+def _columns(overlays: list[FullSegment], start: int, stop: int, device, which: int) -> torch.Tensor | None:
+    spans = tuple((o.overlay_at, o.tokens) for o in overlays
+                  if max(start, o.overlay_at) < min(stop, o.overlay_at + o.tokens))
+    return _hidden_and_visible(spans, start, stop, device, torch.is_inference_mode_enabled())[which] if spans else None
+
+
+@functools.lru_cache(maxsize=64)
+def _hidden_and_visible(spans: tuple[tuple[int, int], ...], start: int, stop: int, device,
+                        inference: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    hidden = torch.zeros(stop - start, dtype=torch.bool, device=device)
+    for at, tokens in spans:
+        hidden[max(start, at) - start : min(stop, at + tokens) - start] = True
+    return hidden, ~hidden
 
 
 def reference_attention(query, segments, attention_mask=None, scaling=None):

@@ -32,6 +32,7 @@ import torch
 from .blockwise import scratch
 from .segments import QuantSegment, TokenSegment
 from hf_kvcache.quant.uniform import FP8_DTYPES
+from hf_kvcache.rope import version_of
 
 logger = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def _compile() -> ctypes.CDLL:
     lib.native_supports.argtypes = [i] * 6
     lib.token_partial.restype = i
     lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
-                                  p, p, i64, p, p, i64, p, p, p, p, p, i, i, i, p, p, p, p, p, p, p]
+                                  p, p, i64, p, p, i64, p, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
     lib.token_max_dense.restype = i
@@ -179,6 +180,19 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def as_float32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """`t` as contiguous float32 (itself when it is: no dispatch for the no-op conversions of a decode step)."""
+    if t is None or (t.dtype == torch.float32 and t.is_contiguous()):
+        return t
+    return t.float().contiguous()
+
+
+def blocks_of(t: torch.Tensor, inner: int) -> int:
+    """How many blocks of `inner` elements the contiguous `t` holds (its batch size, read without a reshape); 0 when
+    they do not divide it."""
+    return 0 if t.numel() % inner else t.numel() // inner
+
+
 def _bytes_strides(codes: torch.Tensor) -> torch.Tensor:
     return codes if codes.stride(-1) == 1 else codes.contiguous()
 
@@ -187,7 +201,7 @@ def kivi_operands(seg: QuantSegment) -> tuple[torch.Tensor, ...]:
     """A KIVI-layout segment as the kernel reads it: key and value codes as row-contiguous bytes, then the key scale
     and zero and the value scale and zero in float32, contiguous."""
     kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
-    return (kc, vc, *(x.float().contiguous() for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero)))
+    return (kc, vc, *(as_float32(x) for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero)))
 
 
 def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,
@@ -229,9 +243,9 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
 def _scale_zero(x) -> tuple[torch.Tensor, torch.Tensor]:
     """float32 scale and zero of codes: a symmetric integer format's offset code becomes a zero of -offset * scale;
     fp8 codes have none."""
-    scale = x.scale.float().contiguous()
+    scale = as_float32(x.scale)
     if x.zero is not None:
-        return scale, x.zero.float().contiguous()
+        return scale, as_float32(x.zero)
     return scale, scale * (0.0 if x.fmt in FP8_DTYPES else -(2 ** (x.bits - 1) - 1))
 
 
@@ -260,6 +274,20 @@ def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
     return work, chunk, (mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, d))
 
 
+def _step_outputs(b: int, h: int, m: int, d: int, t: int, chunks: int) -> tuple[list[int], torch.Tensor]:
+    """`_outputs` for a call that returns only the normalized output: the pointers of the scores, chunk partials and
+    row max / sum (one scratch buffer of this thread, nothing allocated once it is large enough) and the output
+    `[b, h, m, d]` (a new tensor)."""
+    rows = b * h * m
+    sizes = (rows * t, rows * chunks, rows * chunks, rows * chunks * d, rows, rows)
+    base = scratch("native_step", sum(sizes), torch.float32, torch.device("cpu")).data_ptr()
+    ptrs = []
+    for size in sizes:
+        ptrs.append(base)
+        base += 4 * size
+    return ptrs, torch.empty(b, h, m, d)
+
+
 def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
     """(threads, token chunks) of a call over `t` tokens and `rows` (batch row, head) pairs: by default two tasks per
     thread where the tokens allow, one per row and head on one thread."""
@@ -269,17 +297,22 @@ def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
     return threads, chunks
 
 
-_last_angles = threading.local()  # (rope, positions, cos, sin) of the last call: every layer of a step shares them
+_last_angles = threading.local()  # (rope, positions, their version, a copy, cos, sin) of the last call
 
 
-def _angles(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin `[B or 1, D / 2, T]` of RoPE at `positions [B or 1, T]`, times its attention scaling; the last
-    table is reused while the same RoPE asks at the same positions (the layers of one decode step)."""
+def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[B or 1, D / 2, T]` of RoPE at `positions` (`[T]`, or `[B, 1, T]`: `T = tokens`), times its
+    attention scaling; the last table is reused while the same RoPE asks at the same positions (the layers of one
+    decode step: the same tensor, unchanged since, or equal values)."""
     last = getattr(_last_angles, "value", None)
-    if last is not None and last[0] is rope and last[1].shape == positions.shape and torch.equal(last[1], positions):
-        return last[2], last[3]
-    cos, sin = (t.mul(rope.scaling).transpose(1, 2).contiguous() for t in rope.cos_sin_at(positions))
-    _last_angles.value = (rope, positions.clone(), cos, sin)
+    if last is not None and last[0] is rope and (
+        (last[1] is positions and last[2] == version_of(positions))
+        or (last[3].shape == positions.shape and torch.equal(last[3], positions))
+    ):
+        return last[4], last[5]
+    cos, sin = (t.mul(rope.scaling).transpose(1, 2).contiguous()
+                for t in rope.cos_sin_at(positions.reshape(-1, tokens)))
+    _last_angles.value = (rope, positions, version_of(positions), positions.clone(), cos, sin)
     return cos, sin
 
 
@@ -303,36 +336,56 @@ def token_partial_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Te
     the same call: the partial covers codes and them. Call only where `supports_tokens` says so."""
     b, h, m, d = q.shape
     t = seg.tokens
-    threads, chunks = _split(t, b * h, chunks)
+    chunks = _split(t, b * h, chunks)[1]
+    nd = 0 if dense is None else dense[0].shape[2]
+    work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks + (nd > 0))
+    _token_call(q, seg, key_valid, chunks, dense, False, [_ptr(x) for x in (work, cmx, csum, cacc, mx, total)], acc)
+    return mx, total, acc
+
+
+def token_output_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None,
+                        dense: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`token_partial_native`'s normalized output `[B, H, M, D]` float32 (acc / max(sum, 1e-30), the same bits),
+    the partial itself left in scratch: a decode step's whole answer over one segment and its new tokens."""
+    b, h, m, d = q.shape
+    chunks = _split(seg.tokens, b * h, None)[1]
+    ptrs, out = _step_outputs(b, h, m, d, seg.tokens, chunks + (dense is not None))
+    _token_call(q, seg, key_valid, chunks, dense, True, ptrs, out)
+    return out
+
+
+def _token_call(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | None, chunks: int,
+                dense: tuple[torch.Tensor, torch.Tensor] | None, normalize: bool, ptrs: list[int],
+                acc: torch.Tensor) -> None:
+    """One `token_partial` call of the library writing into `ptrs` (scores, chunk max / sum / output, row max /
+    sum) and `acc`."""
+    b, h, m, d = q.shape
+    t = seg.tokens
     dk, dv = dense if dense is not None else (None, None)
     nd = 0 if dk is None else dk.shape[2]
-    q = q.float().contiguous()
+    q = as_float32(q)
     (kc, klut), (vc, vlut) = _codes_and_table(seg.keys), _codes_and_table(seg.values)
     (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
     shift = scale = cos = sin = None
     cs_sb = r_sb = 0
     codec = seg.key_codec
-    if codec is not None:
-        shift = codec.shift.float().reshape(-1, h, d).contiguous()
-        scale = codec.scale.float().reshape(-1, h, d).contiguous()
-        cs_sb = h * d if shift.shape[0] > 1 else 0
-        cos, sin = _angles(codec.rope, seg.positions.reshape(-1, t))
+    if codec is not None:  # shift, scale [B or 1, H, 1, D]
+        shift, scale = as_float32(codec.shift), as_float32(codec.scale)
+        cs_sb = h * d if blocks_of(shift, h * d) > 1 else 0
+        cos, sin = _angles(codec.rope, seg.positions, t)
         r_sb = (d // 2) * t if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T]
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
-    work, (cmx, csum, cacc), (mx, total, acc) = _outputs(b, h, m, d, t, chunks + (nd > 0))
     rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
         _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), _ptr(klut), _ptr(vlut),
-        _ptr(dk), _ptr(dv), nd, chunks, threads,
-        _ptr(work), _ptr(cmx), _ptr(csum), _ptr(cacc), _ptr(mx), _ptr(total), _ptr(acc),
+        _ptr(dk), _ptr(dv), nd, chunks, torch.get_num_threads(), int(normalize), *ptrs, acc.data_ptr(),
     )
     if rc:
         raise ValueError(f"the native kernel has no variant for this per-token segment ({seg.keys.bits}/"
                          f"{seg.values.bits} bits, head_dim {d}, {m} rows, {nd} full-precision tokens): check "
                          f"`supports_tokens` first and pass at most {max_dense()} dense tokens")
-    return mx, total, acc
 
 
-__all__ = ["available", "library", "quant_partial_native", "supports", "supports_tokens", "token_partial_native",
-           "turned_off", "enabled"]
+__all__ = ["available", "library", "quant_partial_native", "supports", "supports_tokens", "token_output_native",
+           "token_partial_native", "turned_off", "enabled"]

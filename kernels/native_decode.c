@@ -486,13 +486,34 @@ int token_supports(int M, int D, int kbits, int vbits, int kgroup, int vgroup) {
            D / kgroup <= MAXG && vgroup > 0 && D % vgroup == 0 && vgroup % (8 / vbits) == 0;
 }
 
+/* acc[r, :] /= max(sum[r], 1e-30) for `rows` rows of D, as IEEE divisions (no fast-math reciprocal here): the same
+   bits as torch's `acc / sum.clamp_min(1e-30)`, a NaN sum staying NaN. */
+#if defined(__clang__)
+#pragma float_control(precise, on, push)
+#elif defined(__GNUC__)
+#pragma GCC push_options
+#pragma GCC optimize("no-fast-math")
+#endif
+static void normalize_rows(int64_t rows, int D, const float* sum, float* acc) {
+    for (int64_t r = 0; r < rows; r++) {
+        const float l = sum[r] < 1e-30f ? 1e-30f : sum[r];
+        for (int d = 0; d < D; d++) acc[r * D + d] /= l;
+    }
+}
+#if defined(__clang__)
+#pragma float_control(pop)
+#elif defined(__GNUC__)
+#pragma GCC pop_options
+#endif
+
 /* The softmax partial over one segment of per-token key codes, as `quant_partial` (same outputs, chunks, work):
    ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
    strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
    rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). klut, vlut: [256] values of 8-bit float codes, or NULL
    for integer codes. dk, dv [B, H, nd, D] float32 contiguous: nd <= MAXDENSE full-precision tokens after the codes,
    seen by every row (a decode step's new tokens; nd = 0: none), one more partial per row (cmx, csum and cacc hold
-   chunks + 1 slots per row then). Returns 1 for an unsupported shape. */
+   chunks + 1 slots per row then). normalize: acc_out holds the normalized output acc / max(sum, 1e-30) instead
+   (a decode step's answer; 0 for a row with no key). Returns 1 for an unsupported shape. */
 struct token_args {
     const float* q; int M, D, T, G, J;
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
@@ -523,7 +544,7 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const float* vs, const float* vz,
                   const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
                   int64_t r_sb, const uint8_t* valid, const float* klut, const float* vlut, const float* dk,
-                  const float* dv, int nd, int chunks, int threads,
+                  const float* dv, int nd, int chunks, int threads, int normalize,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1 || nd < 0 || nd > MAXDENSE) return 1;
     if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
@@ -539,6 +560,7 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                       cmx + (bh * slots + chunks) * M, csum + (bh * slots + chunks) * M,
                       cacc + (bh * slots + chunks) * M * D);
     merge_chunks(B * H, M, D, slots, cmx, csum, cacc, mx_out, sum_out, acc_out);
+    if (normalize) normalize_rows((int64_t)B * H * M, D, sum_out, acc_out);
     return 0;
 }
 

@@ -19,7 +19,7 @@ import torch
 
 from hf_kvcache.quant.uniform import QuantizedTensor
 
-from .native import _Build, _ptr, compile_library
+from .native import _Build, _ptr, as_float32, blocks_of, compile_library
 
 SOURCE = Path(__file__).with_name("native_encode.c")
 FLAGS = ("-O2", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
@@ -65,19 +65,21 @@ def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tupl
     lib = library()
     if lib is None:
         return None
-    x = x.float().contiguous()
+    x = as_float32(x)
     cos = sin = shift = scale = None
     ang_sb = frame_sb = 0
-    if angles is not None:
-        cos, sin = (t.float().reshape(-1, n, d // 2).contiguous() for t in angles)
-        if cos.shape[0] not in (1, b):
+    if angles is not None:  # read as [B or 1, N, D / 2]
+        cos, sin = as_float32(angles[0]), as_float32(angles[1])
+        rows = blocks_of(cos, n * (d // 2))
+        if rows not in (1, b):
             return None
-        ang_sb = n * (d // 2) if cos.shape[0] > 1 else 0
-    if frame is not None:
-        shift, scale = (t.float().reshape(-1, h, d).contiguous() for t in frame)
-        if shift.shape[0] not in (1, b):
+        ang_sb = n * (d // 2) if rows > 1 else 0
+    if frame is not None:  # read as [B or 1, H, D]
+        shift, scale = as_float32(frame[0]), as_float32(frame[1])
+        rows = blocks_of(shift, h * d)
+        if rows not in (1, b):
             return None
-        frame_sb = h * d if shift.shape[0] > 1 else 0
+        frame_sb = h * d if rows > 1 else 0
     codes = torch.empty(b, h, n, d * bits // 8, dtype=torch.uint8)
     scales = torch.empty(b, h, n, d // group, dtype=torch.float16)
     zeros = None if symmetric else torch.empty_like(scales)

@@ -86,7 +86,7 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
         if rot is None or not native.supports(q_seg, seg):
             return None
         kc, vc, ks, kz, vs, vz = native.kivi_operands(seg)
-        qs = q_seg.float().contiguous()
+        qs = native.as_float32(q_seg)
         valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
         keep += [qs, kc, vc, ks, kz, vs, vz] + [t for t in (valid, rot[0]) if t is not None]
         desc.q, desc.T, desc.kbits, desc.kgroup = qs.data_ptr(), seg.tokens, seg.k_bits, seg.k_group
@@ -106,7 +106,7 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
     sizes = (rows * slots, rows * slots, rows * slots * d)
     cmx, csum, cacc = scratch("step_partials", sum(sizes), torch.float32, torch.device("cpu")).split(sizes)
     out = torch.empty(b, h, m, d)
-    qf = q.float().contiguous()
+    qf = native.as_float32(q)
     dvalid = None if dense_valid is None else dense_valid.expand(b, nd).to(torch.uint8).contiguous()
     xmx = xsum = xacc = None
     if extra is not None:  # the kernel's "no key" maximum is finite (-ffast-math has no infinities)

@@ -17,6 +17,7 @@ on dim 2) are implemented once here on top of `_map_store`; a layer whose storag
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -68,7 +69,18 @@ class Placeholder(torch.Tensor):
     @staticmethod
     def like(x: torch.Tensor, tokens: int) -> "Placeholder":
         shape = (*x.shape[:2], tokens, x.shape[-1])
-        return x.new_zeros(()).expand(shape).as_subclass(Placeholder)
+        return _zero_like(x.dtype, x.device, torch.is_inference_mode_enabled()).expand(shape).as_subclass(Placeholder)
+
+
+@functools.lru_cache(maxsize=64)
+def _zero_like(dtype: torch.dtype, device: torch.device, inference: bool) -> torch.Tensor:
+    """A 0-d zero that placeholders expand (one per dtype, device and inference mode: never written)."""
+    return torch.zeros((), dtype=dtype, device=device)
+
+
+def _detached(x: torch.Tensor) -> torch.Tensor:
+    """`x` cut from autograd (itself when no gradient can reach it: no dispatch on the decode path)."""
+    return x.detach() if x.requires_grad else x
 
 
 class CompressedLayer(DynamicLayer):
@@ -189,7 +201,7 @@ class CompressedLayer(DynamicLayer):
         else:
             keys, values = key_states, value_states
         self.cumulative_length += n
-        self.append(key_states.detach(), value_states.detach())
+        self.append(_detached(key_states), _detached(value_states))
         if stored:
             keys, values = self.stored_keys_values()
         self._end_update(n)

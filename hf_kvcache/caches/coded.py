@@ -29,7 +29,25 @@ from ..kernels.segments import TokenSegment
 from ..options import check_positive_int
 from ..quant.prerope import FIT_TOKENS, PreRopeKeys
 from ..quant.rows import TokenFormat, TokenRows
+from ..rope import version_of
 from .base import CompressedLayer
+
+
+_RANGES: dict[tuple, tuple[torch.Tensor, int]] = {}
+
+
+def index_range(start: int, n: int, device: torch.device) -> torch.Tensor:
+    """`arange(start, start + n)` on `device`, the same tensor while it is asked again unchanged (every layer of a
+    decode step asks for the same ranges: its angles are then computed once); callers only read it."""
+    key = (start, n, device, torch.is_inference_mode_enabled())
+    hit = _RANGES.get(key)
+    if hit is not None and hit[1] == version_of(hit[0]):
+        return hit[0]
+    if len(_RANGES) >= 8:
+        _RANGES.clear()
+    index = torch.arange(start, start + n, device=device)
+    _RANGES[key] = (index, version_of(index))
+    return index
 
 
 def check_window_crop(layer: CompressedLayer, n: int) -> None:
@@ -70,7 +88,7 @@ class CodedLayer(CompressedLayer):
         left padding `[batch, 1, n]` (the index minus the row's padding, so a padded row's keys are undone where the
         model rotated them, as alone), else the indices `[n]`; and which hold real tokens (`[batch, 1, n]` bool;
         None when no row is padded or the codec is shared)."""
-        index = torch.arange(start, start + n, device=self.device)
+        index = index_range(start, n, self.device)
         pad = self.row_padding(batch) if self.key_codec.per_row else None
         if pad is None:
             return index, None

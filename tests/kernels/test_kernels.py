@@ -391,6 +391,24 @@ def test_native_token_partial_matches_dequantized_keys(d, dtype, group_size, sym
     torch.testing.assert_close(got_lse, ref_lse, atol=3e-6, rtol=1e-5)
 
 
+@pytest.mark.parametrize("prerope", [False, True])
+def test_native_token_output_is_the_normalized_partial(prerope):
+    """`token_output_native` (a decode step's call: the kernel normalizes its merged partial) gives the very bits of
+    `normalized` over `token_partial_native`'s partial, a new token attended beside the codes, a padded row masked."""
+    native_or_skip()
+    from hf_kvcache.kernels.blockwise import normalized
+
+    seg = token_segment(2, 3, 203, 64, "int8", prerope=prerope, pad=(0, 9), seed=3)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 3, 64, generator=g) / 8
+    dense = (torch.randn(2, 3, 1, 64, generator=g), torch.randn(2, 3, 1, 64, generator=g))
+    valid = torch.ones(2, 203, dtype=torch.bool)
+    valid[1, :9] = False
+    out = native.token_output_native(q, seg, valid, dense=dense)
+    assert out.shape == (2, 3, 3, 64)
+    assert torch.equal(out, normalized(native.token_partial_native(q, seg, valid, dense=dense)))
+
+
 @each_path
 @pytest.mark.parametrize("return_mass", [False, True])
 @pytest.mark.parametrize("dtype,group_size,symmetric,prerope",
@@ -428,10 +446,12 @@ def test_native_token_step_attends_codes_and_new_tokens_in_one_call(monkeypatch,
     mask = left_padded_mask(2, 1, total, (0, 30))
     if hide_new:
         mask[1, ..., -1] = False
-    calls = []
-    real = native.token_partial_native
+    calls = []  # per kernel call: whether it attended the new tokens beside the codes
+    real_partial, real_output = native.token_partial_native, native.token_output_native
     monkeypatch.setattr(native, "token_partial_native",
-                        lambda *a, **kw: calls.append(kw.get("dense") is not None) or real(*a, **kw))
+                        lambda *a, **kw: calls.append(kw.get("dense") is not None) or real_partial(*a, **kw))
+    monkeypatch.setattr(native, "token_output_native",
+                        lambda *a, **kw: calls.append(kw.get("dense") is not None) or real_output(*a, **kw))
     ref, _ = reference_attention(q, [seg, *tails], mask)
     out, _ = decode_attention(q, [seg, *tails], mask)
     assert calls == ([True] if one_call else [False])

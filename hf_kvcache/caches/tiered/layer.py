@@ -279,7 +279,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
     # ---- storing ------------------------------------------------------------------------------------------------
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         p, t = self.plan, self.tiers
-        new = PlainTier(key_states.to(self.tail_dtype), value_states.to(self.tail_dtype))
+        new = PlainTier(*(x if x.dtype == self.tail_dtype else x.to(self.tail_dtype) for x in (key_states, value_states)))
         held = self.tokens_held()
         prompt_was_chunked = self._in_chunked_prefill
         self._track_prompt(held, new.tokens)
