@@ -283,9 +283,8 @@ def _in_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _token_step_native(q, segments: list[Segment], attention_mask, total: int, group: int):
     """The normalized output `[B, H, group, D]` of a one-position step (grouped queries `q` [B, H, group, D]) over one
     per-token segment followed by a few full-precision tokens that every row sees (the uniform caches' decode step),
-    in one native call; None
-    where that does not apply (other segments, a masked new token, more than `native.max_dense()` new tokens, a shape
-    the kernel has no variant for)."""
+    in one native call; None where that does not apply (other segments, a masked new token, more than
+    `native.max_dense()` new tokens, a shape the kernel has no variant for)."""
     seg, rest = segments[0], segments[1:]
     if not isinstance(seg, TokenSegment) or not rest or not all(isinstance(s, FullSegment) for s in rest):
         return None
@@ -411,7 +410,7 @@ def _columns(overlays: list[FullSegment], start: int, stop: int, device, which: 
     return _hidden_and_visible(spans, start, stop, device, torch.is_inference_mode_enabled())[which] if spans else None
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _hidden_and_visible(spans: tuple[tuple[int, int], ...], start: int, stop: int, device,
                         inference: bool) -> tuple[torch.Tensor, torch.Tensor]:
     hidden = torch.zeros(stop - start, dtype=torch.bool, device=device)
