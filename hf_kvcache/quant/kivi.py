@@ -87,8 +87,11 @@ def _group_view(x: torch.Tensor, group_size: int, axis: str, copy: bool = True) 
     return (x.reshape(shape) if copy else x.view(shape)), red
 
 
-def _range(g: torch.Tensor, red: int, ratio: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    lo, hi = g.amin(red), g.amax(red)
+def _range(g: torch.Tensor, red: int, ratio: float | torch.Tensor,
+           extent: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[lo, hi] of each group of `g` (along `red`) shrunk around its midpoint by `ratio`; `extent`: the groups' own
+    (min, max), when known."""
+    lo, hi = extent if extent is not None else (g.amin(red), g.amax(red))
     if isinstance(ratio, float) and ratio == 1.0:
         return lo, hi
     mid, half = (hi + lo) * 0.5, (hi - lo) * (0.5 * ratio)
@@ -132,21 +135,20 @@ def quantize_kivi(
         return KIVIQuantized(codes, scale, zero, bits, group_size, axis, x.shape[-1])
     dim = x.shape[-1]
     g, red = _group_view(x.float(), group_size, axis)
-    if clip_search:
-        best_err = best = None
+    if clip_search:  # per group, the first ratio of the grid with the smallest squared error; its codes
+        extent = g.amin(red), g.amax(red)
+        best_err = lo = hi = None
         for ratio in CLIP_GRID:
-            r = ratio * clip_ratio
-            lo, hi = _range(g, red, r)
-            q, scale, zero, s, z = _codes_for(g, red, lo, hi, bits)
-            err = (q * s + z - g).square_().sum(red)
-            if best is None:
-                best_err, best = err, (q, scale, zero)
+            r_lo, r_hi = _range(g, red, ratio * clip_ratio, extent)
+            q, _, _, s, z = _codes_for(g, red, r_lo, r_hi, bits)
+            err = q.mul_(s).add_(z).sub_(g).square_().sum(red)
+            if best_err is None:
+                best_err, lo, hi = err, r_lo, r_hi
                 continue
-            better = err < best_err
+            better = err < best_err  # strict: the first of equal errors stays
             best_err = torch.where(better, err, best_err)
-            b = better.unsqueeze(red)
-            best = (torch.where(b, q, best[0]), torch.where(better, scale, best[1]), torch.where(better, zero, best[2]))
-        q, scale, zero = best
+            lo, hi = torch.where(better, r_lo, lo), torch.where(better, r_hi, hi)
+        q, scale, zero, _, _ = _codes_for(g, red, lo, hi, bits)
     else:
         lo, hi = _range(g, red, float(clip_ratio))
         q, scale, zero, _, _ = _codes_for(g, red, lo, hi, bits)
