@@ -38,6 +38,7 @@ class KeyRotation:
     def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0) -> None:
         self.inv_freq = inv_freq.float()
         self.scaling = float(attention_scaling)
+        self._shared: tuple | None = None  # `cos_sin_shared`'s last (positions, their version, angles)
 
     @classmethod
     def from_config(cls, config, head_dim: int | None = None, layer_type: str | None = None,
@@ -107,7 +108,7 @@ class KeyRotation:
     def cos_sin_shared(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin_at`, the last answer given again while the same tensor of at most `SHARED_POSITIONS` positions
         asks unchanged (every layer of a decode step asks at its new tokens'); callers only read the result."""
-        last = getattr(self, "_shared", None)
+        last = self._shared
         if last is not None and last[0] is positions and last[1] == version_of(positions):
             return last[2]
         angles = self.cos_sin_at(positions)

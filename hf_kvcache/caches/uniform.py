@@ -118,7 +118,8 @@ class UniformPreRopeKeys(PreRopeKeys):
         """`quantize_pre(derotate(keys, positions))` of a fitted codec (post-RoPE `keys [b, h, n, d]`, `positions`
         `[n]` or `[b, 1, n]`): on the CPU in one native call (the same bits), else through those two."""
         if self.fitted and self.options.fmt == "int":  # the angles only where the encoder may serve
-            coded = self.options.native_codes(keys, angles=self.rope.cos_sin_shared(positions), unscale=self.rope.scaling,
+            angles = self.rope.cos_sin_shared(positions)
+            coded = self.options.native_codes(keys, angles=angles, unscale=self.rope.scaling,
                                               frame=(self.shift, self.scale))
             if coded is not None:
                 return coded

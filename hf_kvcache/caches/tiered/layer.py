@@ -279,7 +279,8 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
     # ---- storing ------------------------------------------------------------------------------------------------
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         p, t = self.plan, self.tiers
-        new = PlainTier(*(x if x.dtype == self.tail_dtype else x.to(self.tail_dtype) for x in (key_states, value_states)))
+        new = PlainTier(*(x if x.dtype == self.tail_dtype else x.to(self.tail_dtype)
+                          for x in (key_states, value_states)))
         held = self.tokens_held()
         prompt_was_chunked = self._in_chunked_prefill
         self._track_prompt(held, new.tokens)
