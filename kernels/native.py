@@ -349,7 +349,8 @@ def token_output_native(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Ten
     the partial itself left in scratch: a decode step's whole answer over one segment and its new tokens."""
     b, h, m, d = q.shape
     chunks = _split(seg.tokens, b * h, None)[1]
-    ptrs, out = _step_outputs(b, h, m, d, seg.tokens, chunks + (dense is not None))
+    nd = 0 if dense is None else dense[0].shape[2]
+    ptrs, out = _step_outputs(b, h, m, d, seg.tokens, chunks + (nd > 0))  # the slots `token_partial` fills
     _token_call(q, seg, key_valid, chunks, dense, True, ptrs, out)
     return out
 
