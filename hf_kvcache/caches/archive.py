@@ -148,6 +148,14 @@ class KIVIFormat(ArchiveFormat):
             values = values if la.rot_v is None else la.rot_v.unrotate(values.to(dt))
         return keys, values
 
+    def roundtrip(self, x: torch.Tensor, rotation: Any, args: dict) -> torch.Tensor:
+        """Keys or values `x` `[B, H, T, D]` as `encode` / `decode` give them back when rotated by `rotation` (a
+        `quant.rotation` object or None) and coded with `quantize_kivi(x, **args)` (`args`: the layer's
+        `quant_args`): the half of a calibration round trip."""
+        x = x if rotation is None else rotation.rotate(x)
+        out = dequantize_kivi(quantize_kivi(x, **args))
+        return out if rotation is None else rotation.unrotate(out.to(self.layer.rot_dtype))
+
     def moves(self, warm_spec):
         return self.spec == warm_spec
 

@@ -78,53 +78,84 @@ class LayerRecipe:
         return cls(**d)
 
 
-def attend(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Causal attention of the last `L` positions: `queries [B, Hq, L, D]` over `keys/values [B, Hkv, T, D]`."""
-    b, hq, q_len, _ = queries.shape
-    hkv, t = keys.shape[1], keys.shape[2]
-    q = queries.float().reshape(b, hkv, (hq // hkv) * q_len, -1)
-    scores = (q @ keys.float().transpose(-1, -2)) * scaling
-    pos = torch.arange(t - q_len, t, device=keys.device).repeat(hq // hkv)
-    scores.masked_fill_(torch.arange(t, device=keys.device) > pos[:, None], float("-inf"))
-    out = torch.softmax(scores, -1) @ values.float()
-    return out.reshape(b, hq, q_len, -1)
-
-
 def attention_error(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, approx_keys: torch.Tensor,
                     approx_values: torch.Tensor, scaling: float) -> float:
     """Relative Frobenius error of the attention output of `queries` (the last positions, causal) when the keys
     and values `[B, Hkv, T, D]` are replaced by their approximations."""
-    return relative_error(attend(queries, keys, values, scaling), attend(queries, approx_keys, approx_values, scaling))
+    return QueryAttention(queries, keys, values, scaling).mean_error([(approx_keys, approx_values)])
 
 
 def relative_error(exact: torch.Tensor, approx: torch.Tensor) -> float:
     return float((approx - exact).norm() / exact.norm().clamp_min(1e-12))
 
 
-def mean_error(exact: torch.Tensor, queries: torch.Tensor, scaling: float,
-               approximations: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    """Mean relative error of the attention output of `queries` (`exact`: `attend` over the exact keys/values) when
-    the keys/values are replaced by each (keys', values') of `approximations` (one per quantized tier)."""
-    return sum(relative_error(exact, attend(queries, k, v, scaling)) for k, v in approximations) / len(approximations)
+class QueryAttention:
+    """The causal attention of calibration queries `[B, Hq, L, D]` (the last `L` positions) over a layer's exact keys
+    and values `[B, Hkv, T, D]` (`exact`, computed once) and over approximations of them (`mean_error`).
+
+    Candidates often share one half: a rotation of the values alone leaves the keys' round trip as it was, and a
+    round trip is often asked for again (the key clipping's unclipped one is the chosen rotation's). So the attention
+    weights of each keys tensor and the error of each (keys, values) pair are kept, by tensor identity (the tensors
+    are kept with them), within `KEPT_BYTES` of weights; the outputs are the same bits as computed afresh."""
+
+    KEPT_BYTES = 64 << 20
+
+    def __init__(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float) -> None:
+        b, hq, self.q_len, _ = queries.shape
+        self.groups = hq // keys.shape[1]
+        self.q = queries.float().reshape(b, keys.shape[1], self.groups * self.q_len, -1)
+        self.scaling = scaling
+        self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(keys) -> (keys, weights)
+        self._errors: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self.exact = self.output(keys, values)
+
+    def weights(self, keys: torch.Tensor) -> torch.Tensor:
+        """Softmax weights `[B, Hkv, groups * L, T]` of the queries over `keys`."""
+        kept = self._weights.get(id(keys))
+        if kept is not None and kept[0] is keys:
+            return kept[1]
+        t = keys.shape[2]
+        scores = (self.q @ keys.float().transpose(-1, -2)) * self.scaling
+        pos = torch.arange(t - self.q_len, t, device=keys.device).repeat(self.groups)
+        scores.masked_fill_(torch.arange(t, device=keys.device) > pos[:, None], float("-inf"))
+        weights = torch.softmax(scores, -1)
+        if weights.nbytes * (len(self._weights) + 1) <= self.KEPT_BYTES:
+            self._weights[id(keys)] = (keys, weights)
+        return weights
+
+    def output(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Attention output `[B, Hq, L, Dv]` over `keys` / `values`."""
+        out = self.weights(keys) @ values.float()
+        return out.reshape(self.q.shape[0], -1, self.q_len, out.shape[-1])
+
+    def error(self, keys: torch.Tensor, values: torch.Tensor) -> float:
+        """Relative error of the output over (`keys`, `values`) against `exact`."""
+        kept = self._errors.get((id(keys), id(values)))
+        if kept is not None and kept[0] is keys and kept[1] is values:
+            return kept[2]
+        err = relative_error(self.exact, self.output(keys, values))
+        if id(keys) in self._weights:  # bounded as the weights are
+            self._errors[(id(keys), id(values))] = (keys, values, err)
+        return err
+
+    def mean_error(self, approximations: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Mean relative error of the output when the keys/values are replaced by each (keys', values') of
+        `approximations` (one per quantized tier)."""
+        return sum(self.error(k, v) for k, v in approximations) / len(approximations)
 
 
 def choose_recipe(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float,
-    roundtrip: Callable[[torch.Tensor, torch.Tensor, str, str], tuple[torch.Tensor, torch.Tensor]],
+    attention: QueryAttention,
+    roundtrip: Callable[[str, str], tuple[torch.Tensor, torch.Tensor]],
     candidates: tuple[str, ...] = ROTATION_CANDIDATES,
     tiers: tuple[str, ...] = ("warm", "arch"),
     margin: float = ROTATION_MARGIN,
 ) -> LayerRecipe:
-    """The candidate rotation whose round trips (`roundtrip(keys, values, rotation, tier) -> (keys', values')`, one
-    per quantized tier the layer has) give the smallest mean attention error for `queries`. A rotation must beat
+    """The candidate rotation whose round trips of the held keys / values (`roundtrip(rotation, tier) -> (keys',
+    values')`, one per quantized tier the layer has) give the smallest mean error of `attention`. A rotation must beat
     "none" by `margin` (relative) to be taken: small differences on a few hundred calibration positions do not carry
     over to the rest of the text (measured on Qwen2.5: rotations chosen on a 1-3 % lead lost perplexity)."""
-    exact = attend(queries, keys, values, scaling)  # once: only the approximations change between candidates
-    errors = {c: mean_error(exact, queries, scaling, [roundtrip(keys, values, c, t) for t in tiers])
-              for c in candidates}
+    errors = {c: attention.mean_error([roundtrip(c, t) for t in tiers]) for c in candidates}
     best = min(candidates, key=lambda c: (round(errors[c], 6), candidates.index(c)))
     if best != "none" and "none" in errors and errors[best] > (1.0 - margin) * errors["none"]:
         best = "none"
@@ -132,60 +163,48 @@ def choose_recipe(
 
 
 def choose_archive_bits(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float,
+    attention: QueryAttention,
     roundtrip_at: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
     bits: int,
     max_bits: int,
     target: float,
 ) -> tuple[int, dict[str, float]]:
     """The narrowest archive width from `bits` up to `max_bits` whose round trip (`roundtrip_at(width) -> (keys',
-    values')`, `[B, Hkv, T, D]`) keeps the attention error of `queries` within `target`, with the error of every
+    values')`, `[B, Hkv, T, D]`) keeps the error of `attention` within `target`, with the error of every
     width tried (`{"archive-<width>": error}`); `max_bits` when none does."""
-    exact = attend(queries, keys, values, scaling)
     errors: dict[str, float] = {}
     for width in range(bits, max(bits, max_bits) + 1):
-        errors[f"archive-{width}"] = mean_error(exact, queries, scaling, [roundtrip_at(width)])
+        errors[f"archive-{width}"] = attention.mean_error([roundtrip_at(width)])
         if errors[f"archive-{width}"] <= target:
             return width, errors
     return max(bits, max_bits), errors
 
 
 def choose_key_clipping(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float,
+    attention: QueryAttention,
     roundtrips: Callable[[bool], list[tuple[torch.Tensor, torch.Tensor]]],
     margin: float = KEY_CLIP_MARGIN,
 ) -> tuple[bool, dict[str, float]]:
     """Whether clipping the key groups (`roundtrips(clip) -> [(keys', values')]`, one per quantized tier) lowers the
-    mean attention error of `queries` by more than `margin` (relative), with both errors (`{"keys-unclipped",
+    mean error of `attention` by more than `margin` (relative), with both errors (`{"keys-unclipped",
     "keys-clipped"}`)."""
-    exact = attend(queries, keys, values, scaling)
-    errors = {clip: mean_error(exact, queries, scaling, roundtrips(clip)) for clip in (False, True)}
+    errors = {clip: attention.mean_error(roundtrips(clip)) for clip in (False, True)}
     return errors[True] < (1.0 - margin) * errors[False], {"keys-unclipped": errors[False],
                                                           "keys-clipped": errors[True]}
 
 
 def choose_archive_format(
-    queries: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scaling: float,
+    attention: QueryAttention,
     roundtrip: Callable[[str], tuple[torch.Tensor, torch.Tensor]],
     default: str,
     candidates: tuple[str, ...],
     margin: float = ARCHIVE_FORMAT_MARGIN,
 ) -> tuple[str, dict[str, float]]:
     """The archive format among `default` and `candidates` whose round trip (`roundtrip(name) -> (keys', values')`,
-    `[B, Hkv, T, D]`) gives `queries` the smallest attention error, with every format's error (`{"format-<name>":
+    `[B, Hkv, T, D]`) gives `attention` the smallest error, with every format's error (`{"format-<name>":
     error}`). Another format than `default` must beat it by `margin` (relative)."""
-    exact = attend(queries, keys, values, scaling)
     names = (default, *(c for c in candidates if c != default))
-    errors = {name: mean_error(exact, queries, scaling, [roundtrip(name)]) for name in names}
+    errors = {name: attention.mean_error([roundtrip(name)]) for name in names}
     best = min(names, key=lambda n: (round(errors[n], 6), names.index(n)))
     if best != default and errors[best] > (1.0 - margin) * errors[default]:
         best = default

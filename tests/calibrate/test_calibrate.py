@@ -8,7 +8,7 @@ import torch
 import hf_kvcache
 from hf_kvcache import TieredQuantCache
 from hf_kvcache.calibrate import LayerRecipe, attention_error, choose_recipe
-from hf_kvcache.calibrate.recipe import ARCHIVE_FORMAT_NAMES, choose_archive_format
+from hf_kvcache.calibrate.recipe import ARCHIVE_FORMAT_NAMES, QueryAttention, choose_archive_format
 from hf_kvcache.caches.archive import ARCHIVE_FORMATS
 from hf_kvcache.quant.kivi import KIVIQuantized
 from hf_kvcache.quant.subspace import SubspaceRows
@@ -31,12 +31,12 @@ def test_choose_recipe_takes_the_smallest_attention_error():
                torch.randn(1, 1, 32, 8, generator=g))
     noise = {"none": 0.3, "keys": 0.1, "values": 0.2, "both": 0.4}
     eps = torch.randn(k.shape, generator=g)  # the same noise pattern, scaled per candidate
-    recipe = choose_recipe(q, k, v, 0.3, lambda k_, v_, c, tier: (k_ + noise[c] * eps, v_))
+    recipe = choose_recipe(QueryAttention(q, k, v, 0.3), lambda c, tier: (k + noise[c] * eps, v))
     assert recipe.rotation == "keys" and recipe.source == "queries"
     assert min(recipe.errors, key=recipe.errors.get) == "keys" and set(recipe.errors) == set(noise)
     # a rotation has to beat "none" by the margin
     close = {"none": 0.3, "keys": 0.29, "values": 0.35, "both": 0.4}
-    assert choose_recipe(q, k, v, 0.3, lambda k_, v_, c, tier: (k_ + close[c] * eps, v_)).rotation == "none"
+    assert choose_recipe(QueryAttention(q, k, v, 0.3), lambda c, tier: (k + close[c] * eps, v)).rotation == "none"
 
 
 def test_recipe_json_and_errors():
@@ -68,12 +68,13 @@ def test_choose_archive_format_takes_a_candidate_only_by_the_margin():
                torch.randn(1, 1, 32, 8, generator=g))
     eps = torch.randn(k.shape, generator=g)
     noise = {"kivi": 0.3, "subspace": 0.1, "kvquant": 0.2}
-    name, errors = choose_archive_format(q, k, v, 0.3, lambda n: (k + noise[n] * eps, v), "kivi",
+    name, errors = choose_archive_format(QueryAttention(q, k, v, 0.3), lambda n: (k + noise[n] * eps, v), "kivi",
                                          ("subspace", "kvquant"))
     assert name == "subspace" and set(errors) == {"format-kivi", "format-subspace", "format-kvquant"}
     assert errors["format-subspace"] < errors["format-kvquant"] < errors["format-kivi"]
     close = {"kivi": 0.3, "subspace": 0.29}  # a 3 % lead does not replace the options' format
-    assert choose_archive_format(q, k, v, 0.3, lambda n: (k + close[n] * eps, v), "kivi", ("subspace",))[0] == "kivi"
+    attention = QueryAttention(q, k, v, 0.3)
+    assert choose_archive_format(attention, lambda n: (k + close[n] * eps, v), "kivi", ("subspace",))[0] == "kivi"
 
 
 @pytest.mark.parametrize("options, match", [
@@ -250,3 +251,37 @@ def test_a_chunked_prefill_calibrates_on_calibration_positions(smol, moby_text, 
                for n in (0, 768)]
     for a, b in zip(*(s.layers for s in streams)):
         assert all(torch.equal(x, y) for x, y in zip(a.stored_tensors(), b.stored_tensors()))
+
+
+@torch.no_grad()
+def test_calibration_round_trips_are_shared_between_candidates_with_the_same_bits(smol, moby_text):
+    """A calibration codes keys and values apart and gives a half again where only the other half's rotation (or
+    clipping) changed; what it gives is what the tier's own quantize / dequantize gives, bit for bit, and so are the
+    attention errors `QueryAttention` keeps."""
+    from hf_kvcache.calibrate.recipe import relative_error
+
+    model, tok = smol
+    ids = load_tokens(tok, moby_text, 5000, 600)
+    cache = TieredQuantCache(config=model.config)
+    with hf_kvcache.attached(model, cache):
+        model(ids, past_key_values=cache)
+    layer = cache.layers[0]
+    assert layer.calibrating
+    keys, values = layer.tiers.tail.keys, layer.tiers.tail.values
+    roundtrip = layer._kivi_roundtrips(keys, values)
+    attention = QueryAttention(layer._calib_queries, keys, values, layer._calib_scaling)
+    tiers = layer._kivi_tiers()
+    assert tiers == ("warm", "arch")
+    for rotation in ("none", "keys", "values", "both"):
+        for tier in tiers:
+            k, v = roundtrip(rotation, tier)
+            direct = layer._held_roundtrip(keys, values, lambda a, b: layer._dequantize(layer._quantize(a, b, tier), 0))
+            assert torch.equal(k, direct[0]) and torch.equal(v, direct[1])
+            fresh = QueryAttention(layer._calib_queries, keys, values, layer._calib_scaling)
+            exact = fresh.output(keys, values)
+            assert attention.error(k, v) == fresh.error(k, v) == relative_error(exact, fresh.output(k, v))
+    for tier in tiers:
+        assert roundtrip("none", tier)[0] is roundtrip("values", tier)[0]
+        assert roundtrip("keys", tier)[0] is roundtrip("both", tier)[0]
+        assert roundtrip("none", tier)[1] is roundtrip("keys", tier)[1]
+        assert roundtrip("none", tier)[0] is not roundtrip("keys", tier)[0]

@@ -11,7 +11,7 @@ import torch
 
 from ...quant.rotation import hadamard_rotation, is_power_of_two
 from ...calibrate import ROTATION_CANDIDATES, LayerRecipe, choose_archive_bits, choose_recipe
-from ...calibrate.recipe import choose_archive_format, choose_key_clipping
+from ...calibrate.recipe import QueryAttention, choose_archive_format, choose_key_clipping
 from ..archive import FORMAT_CLASSES
 from .options import CALIBRATION_GROUPS
 
@@ -20,6 +20,10 @@ from .options import CALIBRATION_GROUPS
 # calibration round trip number at least this many per head dimension: fitted on fewer (a 256-dim head on the first
 # 512-token chunk of a stream) it scores well on the calibration's own positions and badly on the rest of the stream
 MIN_FIT_POSITIONS_PER_DIM = 2
+# a calibration keeps the keys / values it has round-tripped (to give them again) within this many bytes
+KEPT_ROUNDTRIP_BYTES = 64 << 20
+
+RoundTrip = Callable[[str, str], tuple[torch.Tensor, torch.Tensor]]
 
 
 class TierCalibration:
@@ -87,11 +91,12 @@ class TierCalibration:
         if queries is None or keys.shape[2] < self.plan.tail_length + self.plan.archive_group:
             self.recipe = LayerRecipe("none", {}, "no-queries")
         else:
-            self.recipe = choose_recipe(queries, keys, values, self._calib_scaling, self._roundtrip,
-                                        self._rotation_candidates(), self._kivi_tiers())
-            self._choose_key_clipping(queries, keys, values)
-            self._choose_archive_format(queries, keys, values)
-            self._widen_archive(queries, keys, values)
+            attention = QueryAttention(queries, keys, values, self._calib_scaling)
+            roundtrip = self._kivi_roundtrips(keys, values)
+            self.recipe = choose_recipe(attention, roundtrip, self._rotation_candidates(), self._kivi_tiers())
+            self._choose_key_clipping(attention, roundtrip)
+            self._choose_archive_format(attention, keys, values)
+            self._widen_archive(attention, roundtrip)
         self._set_rotation(self.recipe.rotation)
         self.calibrating, self.query_window, self._calib_queries = False, 0, None
 
@@ -108,7 +113,7 @@ class TierCalibration:
             return tensor == "values" or bool(self.recipe is not None and self.recipe.clip_keys)
         return on in (tensor, "both")
 
-    def _choose_key_clipping(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _choose_key_clipping(self, attention: QueryAttention, roundtrip: RoundTrip) -> None:
         """`clip_on="auto"`: clip the key groups when that lowers the mean attention error of this layer's queries
         over its KIVI tiers, under the chosen rotation, by more than `calibrate.recipe.KEY_CLIP_MARGIN` (recorded in
         the recipe with both errors)."""
@@ -117,13 +122,13 @@ class TierCalibration:
 
         def roundtrips(clip: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
             self.recipe.clip_keys = clip  # what `clips("keys")` reads while quantizing
-            return [self._roundtrip(keys, values, self.recipe.rotation, t) for t in self._kivi_tiers()]
+            return [roundtrip(self.recipe.rotation, t) for t in self._kivi_tiers()]
 
-        clip, errors = choose_key_clipping(queries, keys, values, self._calib_scaling, roundtrips)
+        clip, errors = choose_key_clipping(attention, roundtrips)
         self.recipe.clip_keys = clip
         self.recipe.errors.update(errors)
 
-    def _choose_archive_format(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _choose_archive_format(self, attention: QueryAttention, keys: torch.Tensor, values: torch.Tensor) -> None:
         """`archive_candidates`: give this layer the archive format (of `archive_quantizer` and the candidates) whose
         round trip of the held positions keeps its queries' attention error lowest (`calibrate.recipe.
         choose_archive_format`, another format than `archive_quantizer` only by a margin). The states fitted here are
@@ -149,14 +154,13 @@ class TierCalibration:
 
             return self._held_roundtrip(keys, values, fit_and_code)
 
-        name, errors = choose_archive_format(queries, keys, values, self._calib_scaling, roundtrip,
-                                             p.archive_quantizer, others)
+        name, errors = choose_archive_format(attention, roundtrip, p.archive_quantizer, others)
         for other in (p.archive_quantizer, *others):  # the archive fits its format as usual, on what it archives
             self.formats.pop(other, None)
         self.recipe.archive_format = None if name == p.archive_quantizer else name
         self.recipe.errors.update(errors)
 
-    def _widen_archive(self, queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def _widen_archive(self, attention: QueryAttention, roundtrip: RoundTrip) -> None:
         """`archive_error_target`: give this layer the narrowest KIVI archive width (archive_bits..warm_bits) whose
         round trip under the chosen rotation keeps its queries' attention error within the target."""
         p, base = self.plan, self.specs["arch"]
@@ -165,10 +169,9 @@ class TierCalibration:
 
         def roundtrip_at(width: int) -> tuple[torch.Tensor, torch.Tensor]:
             self.specs["arch"] = dataclasses.replace(base, bits=width)
-            return self._roundtrip(keys, values, self.recipe.rotation, "arch")
+            return roundtrip(self.recipe.rotation, "arch")
 
-        bits, errors = choose_archive_bits(queries, keys, values, self._calib_scaling, roundtrip_at, base.bits,
-                                           p.warm_bits, p.archive_error_target)
+        bits, errors = choose_archive_bits(attention, roundtrip_at, base.bits, p.warm_bits, p.archive_error_target)
         self.specs["arch"] = dataclasses.replace(base, bits=bits)
         self.recipe.errors.update(errors)
         self.recipe.archive_bits = bits if bits != base.bits else None
@@ -181,12 +184,33 @@ class TierCalibration:
             tiers += ("arch",)
         return tiers
 
-    def _roundtrip(self, keys: torch.Tensor, values: torch.Tensor, rotation: str, tier: str = "arch"):
-        """`keys`/`values` of positions `[0, T)` as `tier` ("warm" or "arch") would return them under `rotation`:
-        everything but the last `tail_length` (in whole archive groups) quantized at that tier's width, sinks and the
-        rest exact."""
-        self._set_rotation(rotation)
-        return self._held_roundtrip(keys, values, lambda k, v: self._dequantize(self._quantize(k, v, tier), 0))
+    def _kivi_roundtrips(self, keys: torch.Tensor, values: torch.Tensor) -> RoundTrip:
+        """`roundtrip(rotation, tier) -> (keys', values')`: `keys`/`values` of positions `[0, T)` as the KIVI tier
+        `tier` ("warm" or "arch", at its width and key clipping when called) would return them under `rotation`:
+        everything but the last `tail_length` (in whole archive groups) coded, sinks and the rest exact.
+
+        Keys and values are coded apart, as the tier codes them, and each is kept (within KEPT_ROUNDTRIP_BYTES) by
+        what it depends on: its own rotation and its `quantize_kivi` arguments. Rotations "none" / "values" share
+        their keys, "none" / "keys" their values; the key clipping's unclipped round trip is the chosen rotation's."""
+        kept: dict[tuple, torch.Tensor] = {}
+        m = self._roundtrip_length(keys.shape[2])
+
+        def half(x: torch.Tensor, fmt, rot, args: dict, name: str) -> torch.Tensor:
+            key = (name, rot is not None, tuple(sorted(args.items())))
+            if key not in kept:
+                out = self._held(x, fmt.roundtrip(self._mask_outside(x[:, :, :m], 0), rot, args) if m > 0 else None)
+                if out.nbytes * (len(kept) + 1) > KEPT_ROUNDTRIP_BYTES:
+                    return out
+                kept[key] = out
+            return kept[key]
+
+        def roundtrip(rotation: str, tier: str) -> tuple[torch.Tensor, torch.Tensor]:
+            self._set_rotation(rotation)
+            fmt = self.formats["warm"] if tier == "warm" else self._format_at(0)
+            ka, va = self.quant_args(fmt.spec)
+            return half(keys, fmt, self.rot_k, ka, "keys"), half(values, fmt, self.rot_v, va, "values")
+
+        return roundtrip
 
     def _roundtrip_length(self, held: int) -> int:
         """How many of `held` positions a calibration round trip codes: all but the last `tail_length`, in whole
@@ -199,10 +223,18 @@ class TierCalibration:
         """`keys`/`values` of positions `[0, T)` with all but the last `tail_length` (in whole archive groups) passed
         through `code(keys, values) -> (keys', values')` (padding masked first), sinks and the rest exact."""
         m = self._roundtrip_length(keys.shape[2])
-        k_out, v_out = keys.float().clone(), values.float().clone()
-        if m > 0:
-            k_out[:, :, :m], v_out[:, :, :m] = code(self._mask_outside(keys[:, :, :m], 0),
-                                                    self._mask_outside(values[:, :, :m], 0))
+        if m <= 0:
+            return self._held(keys, None), self._held(values, None)
+        k, v = code(self._mask_outside(keys[:, :, :m], 0), self._mask_outside(values[:, :, :m], 0))
+        return self._held(keys, k), self._held(values, v)
+
+    def _held(self, x: torch.Tensor, coded: torch.Tensor | None) -> torch.Tensor:
+        """`x` (positions `[0, T)`) in float32 with its first positions replaced by `coded` (None: none), the sink
+        positions among them kept exact."""
+        out = x.float().clone()
+        if coded is not None:
+            m = coded.shape[2]
+            out[:, :, :m] = coded
             n_sink = min(self.plan.sink_length, m)
-            k_out[:, :, :n_sink], v_out[:, :, :n_sink] = keys[:, :, :n_sink].float(), values[:, :, :n_sink].float()
-        return k_out, v_out
+            out[:, :, :n_sink] = x[:, :, :n_sink].float()
+        return out
