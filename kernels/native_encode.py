@@ -1,7 +1,8 @@
 """New keys and values into per-token integer codes on the CPU in one C call (`native_encode.c`): what
 `quant.uniform.quantize` computes (and, for pre-RoPE keys, `PreRopeKeys.derotate` then the frame's normalization
 first), bit for bit, without the two dozen small torch operations a decode step's single token otherwise costs per
-layer.
+layer. Also the element-wise part of KIVI's codes (`kivi_codes`: a clip candidate's squared errors, or the codes;
+the sums per group stay torch's, whose order the bits depend on) and the packing of `quant.packing.pack_bits`.
 
 Built like the decode kernel (`native.compile_library`), but without -ffast-math and with -ffp-contract=off, so that
 every operation rounds as torch's does. Unavailable (None from `encode`) where no compiler works, with
@@ -22,7 +23,7 @@ from hf_kvcache.quant.uniform import QuantizedTensor
 from .native import _Build, _ptr, as_float32, blocks_of, compile_library
 
 SOURCE = Path(__file__).with_name("native_encode.c")
-FLAGS = ("-O2", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
+FLAGS = ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
 BITS = (2, 4, 8)
 
 _build = _Build()
@@ -40,6 +41,10 @@ def _compile() -> ctypes.CDLL:
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.encode_tokens.restype = i
     lib.encode_tokens.argtypes = [p, i, i, i, i, p, p, i64, ctypes.c_float, p, p, i64, i, i, i, p, p, p]
+    lib.kivi_codes.restype = None
+    lib.kivi_codes.argtypes = [p, p, p, i64, i64, i64, ctypes.c_float, p, p]
+    lib.pack_codes.restype = None
+    lib.pack_codes.argtypes = [p, i64, i64, i, p]
     return lib
 
 
@@ -92,4 +97,52 @@ def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tupl
     return QuantizedTensor(codes, scales, zeros, "int", bits, group, d)
 
 
-__all__ = ["encode", "library"]
+def kivi_codes(g: torch.Tensor, red: int, scale: torch.Tensor, zero: torch.Tensor, qmax: int, errors: bool
+               ) -> torch.Tensor | None:
+    """One KIVI clipping candidate in one C call (`quant.kivi.quantize_kivi`'s torch code, bit for bit), or None where
+    the encoder does not serve (off the CPU, not float32, no compiler, `HF_KVCACHE_NATIVE=0`).
+
+    Args:
+        g: the groups, float32 contiguous: `[..., groups, group, dim]` (`red` -2, keys per channel) or
+            `[..., group]` (`red` -1, values per token).
+        red: the dimension a group's elements lie along (-2 or -1).
+        scale, zero: float32 `[..., groups, 1, dim]` / `[..., 1]` (`g`'s shape with `red` of size 1), contiguous.
+        qmax: the largest code, `2**bits - 1`.
+        errors: return the squared error of each element's round trip (float32, `g`'s shape) instead of the codes.
+
+    Returns:
+        `(code * scale + zero - g)**2` with `errors`, else the codes (uint8, `g`'s shape);
+        `code = clamp(round((g - zero) / scale), 0, qmax)`.
+    """
+    if g.device.type != "cpu" or g.dtype != torch.float32 or not g.is_contiguous() or red not in (-1, -2):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    group = g.shape[red]
+    inner = g.shape[-1] if red == -2 else 1
+    for t in (scale, zero):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.numel() * group != g.numel():
+            return None
+    out = torch.empty_like(g) if errors else torch.empty(g.shape, dtype=torch.uint8)
+    lib.kivi_codes(g.data_ptr(), scale.data_ptr(), zero.data_ptr(), g.numel() // (group * inner), group, inner,
+                   float(qmax), out.data_ptr() if errors else None, None if errors else out.data_ptr())
+    return out
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor | None:
+    """`quant.packing.pack_bits(codes, bits)` in one C call for `bits` 1, 2 or 4 (uint8 `codes [..., n]` on the CPU,
+    contiguous), or None where the encoder does not serve."""
+    if codes.device.type != "cpu" or codes.dtype != torch.uint8 or not codes.is_contiguous() or bits not in (1, 2, 4):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n = codes.shape[-1]
+    per = 8 // bits
+    out = torch.empty(*codes.shape[:-1], -(-n // per), dtype=torch.uint8)
+    lib.pack_codes(codes.data_ptr(), codes.numel() // max(n, 1), n, bits, out.data_ptr())
+    return out
+
+
+__all__ = ["encode", "kivi_codes", "library", "pack_codes"]

@@ -107,6 +107,7 @@ class QueryAttention:
         self.scaling = scaling
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id(keys) -> (keys, weights)
         self._errors: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self._mask: tuple[int, int, torch.Tensor] | None = None
         self.exact = self.output(keys, values)
 
     def weights(self, keys: torch.Tensor) -> torch.Tensor:
@@ -116,12 +117,21 @@ class QueryAttention:
             return kept[1]
         t = keys.shape[2]
         scores = (self.q @ keys.float().transpose(-1, -2)) * self.scaling
-        pos = torch.arange(t - self.q_len, t, device=keys.device).repeat(self.groups)
-        scores.masked_fill_(torch.arange(t, device=keys.device) > pos[:, None], float("-inf"))
+        start, mask = self._causal_mask(t, keys.device)
+        scores[..., start:].masked_fill_(mask, float("-inf"))
         weights = torch.softmax(scores, -1)
         if weights.nbytes * (len(self._weights) + 1) <= self.KEPT_BYTES:
             self._weights[id(keys)] = (keys, weights)
         return weights
+
+    def _causal_mask(self, t: int, device: torch.device) -> tuple[int, torch.Tensor]:
+        """(start, mask): the positions from `start` on that some query must not see, `[groups * L, t - start]` (a
+        query at position p sees positions up to p; the queries are the last L of `t`)."""
+        if self._mask is None or self._mask[0] != t:
+            start = max(t - self.q_len, 0)
+            pos = torch.arange(t - self.q_len, t, device=device).repeat(self.groups)
+            self._mask = (t, start, torch.arange(start, t, device=device) > pos[:, None])
+        return self._mask[1], self._mask[2]
 
     def output(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Attention output `[B, Hq, L, Dv]` over `keys` / `values`."""

@@ -14,7 +14,8 @@ Codes are packed along `dim` with `quant.packing` whatever the axis, so codes st
 appending tokens never repacks anything, only the per-channel scales are per group of tokens.
 
 Clipping (optional) shrinks each group's [min, max] around its midpoint by `clip_ratio`; `clip_search=True` tries
-the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error.
+the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error. On the CPU the element-wise
+work (each candidate's squared errors, the codes, the packing) runs in C (`kernels.native_encode`), bit for bit.
 
 Dequantization unpacks with `quant.packing.unpack_lanes` (float codes, lane factors folded into the per-channel key
 scales) and applies scale and zero in place, optionally straight into a slice of a preallocated output: the one
@@ -98,14 +99,31 @@ def _range(g: torch.Tensor, red: int, ratio: float | torch.Tensor,
     return mid - half, mid + half
 
 
-def _codes_for(g: torch.Tensor, red: int, lo: torch.Tensor, hi: torch.Tensor, bits: int):
-    """fp16 scale/zero for [lo, hi] and the float codes of `g` (unrounded scale kept out of the codes)."""
-    qmax = 2**bits - 1
-    scale = _scale_fp16((hi - lo) / qmax)
+def _scale_zero(lo: torch.Tensor, hi: torch.Tensor, bits: int, red: int):
+    """fp16 scale / zero of groups spanning [lo, hi], and their float32 values unsqueezed along `red`."""
+    scale = _scale_fp16((hi - lo) / (2**bits - 1))
     zero = lo.to(_SCALE_DTYPE)
-    s, z = scale.float().unsqueeze(red), zero.float().unsqueeze(red)
-    q = torch.round((g - z) / s).clamp_(0, qmax)
-    return q, scale, zero, s, z
+    return scale, zero, scale.float().unsqueeze(red), zero.float().unsqueeze(red)
+
+
+def _float_codes(g: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.round((g - z) / s).clamp_(0, 2**bits - 1)
+
+
+def _squared_errors(g: torch.Tensor, red: int, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
+    """`(code * s + z - g)**2` per element of `g` (in one C call on the CPU: `kernels.native_encode.kivi_codes`)."""
+    from ..kernels.native_encode import kivi_codes
+
+    err = kivi_codes(g, red, s, z, 2**bits - 1, errors=True) if g.is_cpu else None
+    return err if err is not None else _float_codes(g, s, z, bits).mul_(s).add_(z).sub_(g).square_()
+
+
+def _code_bytes(g: torch.Tensor, red: int, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
+    """The codes of `g` as uint8 (in one C call on the CPU, as `_squared_errors`)."""
+    from ..kernels.native_encode import kivi_codes
+
+    q = kivi_codes(g, red, s, z, 2**bits - 1, errors=False) if g.is_cpu else None
+    return q if q is not None else _float_codes(g, s, z, bits).to(torch.uint8)
 
 
 def quantize_kivi(
@@ -135,24 +153,20 @@ def quantize_kivi(
         return KIVIQuantized(codes, scale, zero, bits, group_size, axis, x.shape[-1])
     dim = x.shape[-1]
     g, red = _group_view(x.float(), group_size, axis)
+    g = g.contiguous()  # a view of a slice may not be
     if clip_search:  # per group, the first ratio of the grid with the smallest squared error; its codes
         extent = g.amin(red), g.amax(red)
-        best_err = lo = hi = None
+        los, his, errors = [], [], []
         for ratio in CLIP_GRID:
             r_lo, r_hi = _range(g, red, ratio * clip_ratio, extent)
-            q, _, _, s, z = _codes_for(g, red, r_lo, r_hi, bits)
-            err = q.mul_(s).add_(z).sub_(g).square_().sum(red)
-            if best_err is None:
-                best_err, lo, hi = err, r_lo, r_hi
-                continue
-            better = err < best_err  # strict: the first of equal errors stays
-            best_err = torch.where(better, err, best_err)
-            lo, hi = torch.where(better, r_lo, lo), torch.where(better, r_hi, hi)
-        q, scale, zero, _, _ = _codes_for(g, red, lo, hi, bits)
+            _, _, s, z = _scale_zero(r_lo, r_hi, bits, red)
+            los.append(r_lo), his.append(r_hi), errors.append(_squared_errors(g, red, s, z, bits).sum(red))
+        best = torch.stack(errors, -1).argmin(-1, keepdim=True)  # the first of equal errors
+        lo, hi = (torch.stack(r, -1).gather(-1, best).squeeze(-1) for r in (los, his))
     else:
         lo, hi = _range(g, red, float(clip_ratio))
-        q, scale, zero, _, _ = _codes_for(g, red, lo, hi, bits)
-    codes = pack_bits(q.to(torch.uint8).reshape(x.shape), bits)
+    scale, zero, s, z = _scale_zero(lo, hi, bits, red)
+    codes = pack_bits(_code_bytes(g, red, s, z, bits).reshape(x.shape), bits)
     return KIVIQuantized(codes, scale.contiguous(), zero.contiguous(), bits, group_size, axis, dim)
 
 

@@ -41,6 +41,12 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     n = codes.shape[-1]
     if bits == 8:
         return codes.contiguous()
+    if codes.is_cpu and 8 % bits == 0 and n > 0:
+        from hf_kvcache.kernels.native_encode import pack_codes  # the same bytes in one C call, where it serves
+
+        packed = pack_codes(codes.contiguous(), bits)
+        if packed is not None:
+            return packed
     group = 8 // bits if 8 % bits == 0 else 8
     pad = (-n) % group
     if pad:
