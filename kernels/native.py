@@ -268,10 +268,15 @@ def _outputs(b: int, h: int, m: int, d: int, t: int, chunks: int):
     `[b, h, m, d]`) a kernel call writes."""
     work = scratch("native_scores", b * h * m * t, torch.float32, torch.device("cpu"))
     rows = b * h * m
-    sizes = (rows * chunks, rows * chunks, rows * chunks * d, rows, rows, rows * d)
+    sizes = (*_chunk_sizes(rows, chunks, d), rows, rows, rows * d)
     cmx, csum, cacc, mx, total, acc = torch.empty(sum(sizes)).split(sizes)  # one allocation, six views
     chunk = cmx.view(b, h, chunks, m), csum.view(b, h, chunks, m), cacc.view(b, h, chunks, m, d)
     return work, chunk, (mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, d))
+
+
+def _chunk_sizes(rows: int, chunks: int, d: int) -> tuple[int, int, int]:
+    """Floats of the chunk partials a kernel call writes: max and sum `[rows, chunks]`, output `[rows, chunks, d]`."""
+    return rows * chunks, rows * chunks, rows * chunks * d
 
 
 def _step_outputs(b: int, h: int, m: int, d: int, t: int, chunks: int) -> tuple[list[int], torch.Tensor]:
@@ -279,7 +284,7 @@ def _step_outputs(b: int, h: int, m: int, d: int, t: int, chunks: int) -> tuple[
     row max / sum (one scratch buffer of this thread, nothing allocated once it is large enough) and the output
     `[b, h, m, d]` (a new tensor)."""
     rows = b * h * m
-    sizes = (rows * t, rows * chunks, rows * chunks, rows * chunks * d, rows, rows)
+    sizes = (rows * t, *_chunk_sizes(rows, chunks, d), rows, rows)
     base = scratch("native_step", sum(sizes), torch.float32, torch.device("cpu")).data_ptr()
     ptrs = []
     for size in sizes:

@@ -1,6 +1,6 @@
 /* Per-token integer codes of new keys / values on the CPU (`native_encode.py`): the uniform cache's `quantize`
    (and, for pre-RoPE keys, the RoPE undone and the channels normalized first) in one call, bit for bit what the
-   torch code computes; below it, KIVI's element-wise codes and errors (`kivi_codes`) and the packer (`pack_codes`).
+   torch code computes; below it, KIVI's codes and clip candidates (`kivi_candidate`) and the packer (`pack_codes`).
 
    Compiled WITHOUT -ffast-math and with -ffp-contract=off (at -O3: vectorized, each lane rounding as the scalar
    code would): every product, sum and quotient is rounded to float32 on
@@ -18,6 +18,7 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef _Float16 half;
@@ -129,18 +130,48 @@ int encode_tokens(const float* x, int B, int H, int N, int D, const float* cosv,
     return 0;
 }
 
-/* One KIVI clipping candidate (quant/kivi.py's `quantize_kivi`), bit for bit what its torch code computes: x[A][G][C]
+/* One KIVI clipping candidate (quant/kivi.py's `quantize_kivi`), bit for bit what its torch code computes. x[A][G][C]
    float32 in groups of G (keys per channel: A groups of tokens, C channels; values per token: A groups of channels,
-   C = 1), each group's scale s and zero z [A][C] (their fp16 values as float32). code = clamp(round((x - z) / s),
-   0, qmax), rounded half to even. With err (not NULL): err = (code * s + z - x)^2 per element [A][G][C], which the
-   torch code sums per group; with codes (not NULL): the codes as bytes [A][G][C]. */
+   C = 1), each group's extent lo / hi [A][C]. Per group: the range shrunk about its midpoint, mid = (hi + lo) * 0.5,
+   half = (hi - lo) * half_ratio, [mid - half, mid + half] (half_ratio < 0: the extent as it is); the fp16 scale of
+   (range) / qmax (at least 1e-6, one fp16 step up where rounding went below) and the fp16 zero (the range's low end).
+   Per element: code = clamp(round((x - z) / s), 0, qmax) (half to even) with s, z those fp16 values as float32.
+   Out (each may be NULL): the range r_lo / r_hi [A][C]; scale16 / zero16 [A][C] (fp16 bits); err[A][G][C] =
+   (code * s + z - x)^2, which the torch code sums per group; codes[A][G][C] as bytes. Returns 1 when out of memory. */
 static inline float kivi_code(float x, float s, float z, float qmax) {
     const float r = nearbyintf((x - z) / s);
     return r < 0.f ? 0.f : r > qmax ? qmax : r;
 }
 
-void kivi_codes(const float* x, const float* s, const float* z, int64_t A, int64_t G, int64_t C, float qmax,
-                float* err, uint8_t* codes) {
+static half kivi_scale(float s) {
+    const float c = s < 1e-6f ? 1e-6f : s;  /* NaN stays NaN, as torch's clamp_min keeps it */
+    half h = (half)c;
+    if ((float)h < s) h = half_of((uint16_t)(bits_of(h) + 1));  /* compared with the unclamped scale */
+    return h;
+}
+
+int kivi_candidate(const float* x, const float* lo, const float* hi, int64_t A, int64_t G, int64_t C,
+                   float half_ratio, float qmax, float* r_lo, float* r_hi, uint16_t* scale16, uint16_t* zero16,
+                   float* err, uint8_t* codes) {
+    const int64_t n = A * C;
+    float* sz = (float*)malloc(sizeof(float) * 2 * (size_t)(n > 0 ? n : 1));
+    if (!sz) return 1;
+    float *s = sz, *z = sz + n;
+    for (int64_t i = 0; i < n; i++) {
+        float l = lo[i], u = hi[i];
+        if (half_ratio >= 0.f) {
+            const float mid = (u + l) * 0.5f, hr = (u - l) * half_ratio;
+            l = mid - hr;
+            u = mid + hr;
+        }
+        const half hs = kivi_scale((u - l) / qmax), hz = (half)l;
+        s[i] = (float)hs;
+        z[i] = (float)hz;
+        if (r_lo) r_lo[i] = l;
+        if (r_hi) r_hi[i] = u;
+        if (scale16) scale16[i] = bits_of(hs);
+        if (zero16) zero16[i] = bits_of(hz);
+    }
     for (int64_t a = 0; a < A; a++) {
         const float* sa = s + a * C;
         const float* za = z + a * C;
@@ -174,6 +205,8 @@ void kivi_codes(const float* x, const float* s, const float* z, int64_t A, int64
             }
         }
     }
+    free(sz);
+    return 0;
 }
 
 /* Codes q[R][n] (bytes) packed along each row at `bits` (1, 2 or 4), lowest code in the lowest bits, the last byte's

@@ -88,12 +88,10 @@ def _group_view(x: torch.Tensor, group_size: int, axis: str, copy: bool = True) 
     return (x.reshape(shape) if copy else x.view(shape)), red
 
 
-def _range(g: torch.Tensor, red: int, ratio: float | torch.Tensor,
-           extent: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """[lo, hi] of each group of `g` (along `red`) shrunk around its midpoint by `ratio`; `extent`: the groups' own
-    (min, max), when known."""
-    lo, hi = extent if extent is not None else (g.amin(red), g.amax(red))
-    if isinstance(ratio, float) and ratio == 1.0:
+def _range(extent: tuple[torch.Tensor, torch.Tensor], ratio: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[lo, hi] of groups whose (min, max) is `extent`, shrunk around its midpoint by `ratio`."""
+    lo, hi = extent
+    if ratio == 1.0:
         return lo, hi
     mid, half = (hi + lo) * 0.5, (hi - lo) * (0.5 * ratio)
     return mid - half, mid + half
@@ -110,20 +108,20 @@ def _float_codes(g: torch.Tensor, s: torch.Tensor, z: torch.Tensor, bits: int) -
     return torch.round((g - z) / s).clamp_(0, 2**bits - 1)
 
 
-def _squared_errors(g: torch.Tensor, red: int, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
-    """`(code * s + z - g)**2` per element of `g` (in one C call on the CPU: `kernels.native_encode.kivi_codes`)."""
-    from ..kernels.native_encode import kivi_codes
+def _candidate(g: torch.Tensor, red: int, extent: tuple[torch.Tensor, torch.Tensor], ratio: float, bits: int,
+               errors: bool):
+    """The groups of `g` coded over their `extent` shrunk by `ratio`: (lo, hi, fp16 scale, fp16 zero, the squared
+    error of each element's round trip with `errors`, else its uint8 code). On the CPU in one C call
+    (`kernels.native_encode.kivi_candidate`), bit for bit the torch code."""
+    from ..kernels.native_encode import kivi_candidate
 
-    err = kivi_codes(g, red, s, z, 2**bits - 1, errors=True) if g.is_cpu else None
-    return err if err is not None else _float_codes(g, s, z, bits).mul_(s).add_(z).sub_(g).square_()
-
-
-def _code_bytes(g: torch.Tensor, red: int, s: torch.Tensor, z: torch.Tensor, bits: int) -> torch.Tensor:
-    """The codes of `g` as uint8 (in one C call on the CPU, as `_squared_errors`)."""
-    from ..kernels.native_encode import kivi_codes
-
-    q = kivi_codes(g, red, s, z, 2**bits - 1, errors=False) if g.is_cpu else None
-    return q if q is not None else _float_codes(g, s, z, bits).to(torch.uint8)
+    got = kivi_candidate(g, red, *extent, ratio, bits, errors) if g.is_cpu else None
+    if got is not None:
+        return got.lo, got.hi, got.scale, got.zero, got.errors if errors else got.codes
+    lo, hi = _range(extent, ratio)
+    scale, zero, s, z = _scale_zero(lo, hi, bits, red)
+    q = _float_codes(g, s, z, bits)
+    return lo, hi, scale, zero, q.mul_(s).add_(z).sub_(g).square_() if errors else q.to(torch.uint8)
 
 
 def quantize_kivi(
@@ -154,19 +152,18 @@ def quantize_kivi(
     dim = x.shape[-1]
     g, red = _group_view(x.float(), group_size, axis)
     g = g.contiguous()  # a view of a slice may not be
+    extent = g.amin(red), g.amax(red)
+    ratio = float(clip_ratio)
     if clip_search:  # per group, the first ratio of the grid with the smallest squared error; its codes
-        extent = g.amin(red), g.amax(red)
         los, his, errors = [], [], []
-        for ratio in CLIP_GRID:
-            r_lo, r_hi = _range(g, red, ratio * clip_ratio, extent)
-            _, _, s, z = _scale_zero(r_lo, r_hi, bits, red)
-            los.append(r_lo), his.append(r_hi), errors.append(_squared_errors(g, red, s, z, bits).sum(red))
+        for r in CLIP_GRID:
+            r_lo, r_hi, _, _, err = _candidate(g, red, extent, r * clip_ratio, bits, errors=True)
+            los.append(r_lo), his.append(r_hi), errors.append(err.sum(red))
         best = torch.stack(errors, -1).argmin(-1, keepdim=True)  # the first of equal errors
-        lo, hi = (torch.stack(r, -1).gather(-1, best).squeeze(-1) for r in (los, his))
-    else:
-        lo, hi = _range(g, red, float(clip_ratio))
-    scale, zero, s, z = _scale_zero(lo, hi, bits, red)
-    codes = pack_bits(_code_bytes(g, red, s, z, bits).reshape(x.shape), bits)
+        extent = tuple(torch.stack(r, -1).gather(-1, best).squeeze(-1) for r in (los, his))
+        ratio = 1.0
+    _, _, scale, zero, q = _candidate(g, red, extent, ratio, bits, errors=False)
+    codes = pack_bits(q.reshape(x.shape), bits)
     return KIVIQuantized(codes, scale.contiguous(), zero.contiguous(), bits, group_size, axis, dim)
 
 

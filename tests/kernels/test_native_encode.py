@@ -121,15 +121,23 @@ def test_kivi_codes_are_torch_bits(axis, group, bits, clip_search, clip_ratio, d
     assert torch.equal(got.zero.view(torch.int16), ref.zero.view(torch.int16))
 
 
-def test_kivi_codes_are_computed_in_c_where_they_can_be():
-    g = torch.randn(2, 4, 32, 64)  # [.., groups, group, dim]: keys per channel
-    scale, zero = torch.full((2, 4, 1, 64), 0.5), torch.full((2, 4, 1, 64), -1.0)
-    codes = native_encode.kivi_codes(g, -2, scale, zero, 3, errors=False)
-    assert torch.equal(codes, torch.round((g - zero) / scale).clamp(0, 3).to(torch.uint8))
-    err = native_encode.kivi_codes(g, -2, scale, zero, 3, errors=True)
-    assert torch.equal(err, (codes.float() * scale + zero - g).square())
-    assert native_encode.kivi_codes(g.transpose(-1, -2), -2, scale, zero, 3, errors=True) is None  # not contiguous
-    assert native_encode.kivi_codes(g.double(), -2, scale, zero, 3, errors=True) is None
+def test_kivi_candidate_is_computed_in_c_where_it_can_be():
+    """Keys per channel (`[.., groups, group, dim]`): the codes of the extent as it is, their squared errors, and a
+    shrunk range; declined for a layout or dtype it does not take."""
+    g = torch.randn(2, 4, 32, 64)
+    extent = g.amin(-2), g.amax(-2)
+    full = native_encode.kivi_candidate(g, -2, *extent, 1.0, 2, errors=False)
+    assert torch.equal(full.lo, extent[0]) and torch.equal(full.hi, extent[1])
+    s, z = full.scale.float().unsqueeze(-2), full.zero.float().unsqueeze(-2)
+    assert torch.equal(full.zero, extent[0].half()) and bool((full.scale.float() * 3 >= extent[1] - extent[0]).all())
+    assert torch.equal(full.codes, torch.round((g - z) / s).clamp(0, 3).to(torch.uint8))
+    err = native_encode.kivi_candidate(g, -2, *extent, 1.0, 2, errors=True).errors
+    assert torch.equal(err, (full.codes.float() * s + z - g).square())
+    shrunk = native_encode.kivi_candidate(g, -2, *extent, 0.8, 2, errors=True)
+    mid, half = (extent[1] + extent[0]) * 0.5, (extent[1] - extent[0]) * 0.4
+    assert torch.equal(shrunk.lo, mid - half) and torch.equal(shrunk.hi, mid + half)
+    assert native_encode.kivi_candidate(g.transpose(-1, -2), -2, *extent, 1.0, 2, errors=True) is None
+    assert native_encode.kivi_candidate(g.double(), -2, *extent, 1.0, 2, errors=True) is None
 
 
 @pytest.mark.parametrize("bits", [1, 2, 4])
