@@ -171,10 +171,9 @@ def test_without_queries_a_layer_takes_no_rotation(smol, moby_text):
         model.set_attn_implementation("sdpa")
 
 
-@torch.no_grad()
-def test_a_calibrating_layer_holds_its_last_queries_not_the_forwards_whole_query_tensor(smol, moby_text):
-    """The queries a layer keeps until it calibrates are a copy of the last `calibration_queries`: a view would keep
-    the whole prefill's query tensor alive (and counted in its bytes) until the next update."""
+def calibrating_layer(smol, moby_text):
+    """The first layer of a default tiered cache after a 600-token prompt through `attached`: still calibrating
+    (its queries arrive after its update), every position in its tail."""
     model, tok = smol
     ids = load_tokens(tok, moby_text, 5000, 600)
     cache = TieredQuantCache(config=model.config)
@@ -182,6 +181,14 @@ def test_a_calibrating_layer_holds_its_last_queries_not_the_forwards_whole_query
         model(ids, past_key_values=cache)
     layer = cache.layers[0]
     assert layer.calibrating
+    return layer
+
+
+@torch.no_grad()
+def test_a_calibrating_layer_holds_its_last_queries_not_the_forwards_whole_query_tensor(smol, moby_text):
+    """The queries a layer keeps until it calibrates are a copy of the last `calibration_queries`: a view would keep
+    the whole prefill's query tensor alive (and counted in its bytes) until the next update."""
+    layer = calibrating_layer(smol, moby_text)
     queries = layer._calib_queries
     assert queries.shape[2] == layer.plan.calibration_queries == 64
     assert queries.untyped_storage().nbytes() == queries.numel() * queries.element_size()
@@ -260,13 +267,7 @@ def test_calibration_round_trips_are_shared_between_candidates_with_the_same_bit
     attention errors `QueryAttention` keeps."""
     from hf_kvcache.calibrate.recipe import relative_error
 
-    model, tok = smol
-    ids = load_tokens(tok, moby_text, 5000, 600)
-    cache = TieredQuantCache(config=model.config)
-    with hf_kvcache.attached(model, cache):
-        model(ids, past_key_values=cache)
-    layer = cache.layers[0]
-    assert layer.calibrating
+    layer = calibrating_layer(smol, moby_text)
     keys, values = layer.tiers.tail.keys, layer.tiers.tail.values
     roundtrip = layer._kivi_roundtrips(keys, values)
     attention = QueryAttention(layer._calib_queries, keys, values, layer._calib_scaling)
