@@ -14,8 +14,9 @@ Codes are packed along `dim` with `quant.packing` whatever the axis, so codes st
 appending tokens never repacks anything, only the per-channel scales are per group of tokens.
 
 Clipping (optional) shrinks each group's [min, max] around its midpoint by `clip_ratio`; `clip_search=True` tries
-the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error. On the CPU the element-wise
-work (each candidate's squared errors, the codes, the packing) runs in C (`kernels.native_encode`), bit for bit.
+the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error. On the CPU each candidate
+(its range, fp16 scale and zero, squared errors or codes) and the packing run in C (`kernels.native_encode`), bit
+for bit; the sums of the errors per group stay torch's.
 
 Dequantization unpacks with `quant.packing.unpack_lanes` (float codes, lane factors folded into the per-channel key
 scales) and applies scale and zero in place, optionally straight into a slice of a preallocated output: the one
