@@ -16,7 +16,9 @@ count),
 max_memory_allocated above what was allocated before, or on CPU the torch profiler's allocation events replayed in time
 order), `cache_mb`, `ratio` (vs fp16), `vs_first` (tokens/s vs the first variant) with `vs_first_low` /
 `vs_first_high`, its 95 % paired interval over the rounds of 8 steps (`round_seconds`: each round's summed step times;
-`paired.paired_time_ratio`), on fused rows `vs_dequantize`
+`paired.paired_time_ratio`), `first_round_s` (the first round's seconds: a calibrating cache calibrates in its
+first step after a chunked prompt) and, from three rounds, `steady_vs_first` with its interval (the same ratio over
+the rounds after the first), on fused rows `vs_dequantize`
 (tokens/s vs the same cache's dequantize row) and, on the CPU, `scratch_mb` (the reusable O(block) scratch the CPU
 fused path holds, allocated once).
 """
@@ -170,6 +172,10 @@ def run(opts: DecodeOptions) -> list[Row]:
         _, low, high = paired_time_ratio(rows[0]["round_seconds"], row["round_seconds"])
         if math.isfinite(low):  # two rounds at least
             row["vs_first_low"], row["vs_first_high"] = low, high
+        row["first_round_s"] = row["round_seconds"][0]
+        if len(row["round_seconds"]) >= 3:  # the rounds after the first (a calibration's, a warm-up's), two at least
+            steady = paired_time_ratio(rows[0]["round_seconds"][1:], row["round_seconds"][1:])
+            row["steady_vs_first"], row["steady_vs_first_low"], row["steady_vs_first_high"] = steady
         row["prefill_vs_first"] = row["prefill_tokens_per_s"] / rows[0]["prefill_tokens_per_s"]
         if v.fused:
             deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and not w.fused)

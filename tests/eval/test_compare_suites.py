@@ -5,6 +5,7 @@ import json
 import pytest
 
 from hf_kvcache.kernels import native
+from hf_kvcache.eval.paired import paired_time_ratio
 from hf_kvcache.eval.rows import COMMON, format_rows, make_row
 
 from hf_kvcache.cli import main
@@ -201,8 +202,26 @@ def test_decode_suite_runs_a_fused_cache_both_ways(capsys, tmp_path):
     assert rows[0]["vs_first"] == 1.0 and "vs_dequantize" not in rows[1] and "vs_dequantize" not in rows[-1]
     # two steps are one round of turns: each round's time is kept, and one round gives no interval
     assert all(len(r["round_seconds"]) == 1 and "vs_first_low" not in r for r in rows)
+    assert all(r["first_round_s"] == r["round_seconds"][0] and "steady_vs_first" not in r for r in rows)
     for fused in rows[2:-1]:
         assert fused["vs_dequantize"] == pytest.approx(fused["decode_tokens_per_s"] / rows[1]["decode_tokens_per_s"])
+
+
+@pytest.mark.slow
+def test_decode_suite_reads_the_rounds_after_the_first_apart(tmp_path):
+    """From three rounds of 8 steps a row has its speed over the rounds after the first (where a calibrating cache
+    has calibrated), paired with the first variant's same rounds."""
+    path = tmp_path / "decode.json"
+    assert main(["compare", "--suite", "decode", "--tokens", "64", "--decode-steps", "24", "--chunk", "32",
+                 "--caches", "dynamic", "int8", "--json", str(path)]) == 0
+    rows = json.loads(path.read_text())
+    base = rows[0]["round_seconds"]
+    assert all(len(r["round_seconds"]) == 3 for r in rows)
+    assert rows[0]["steady_vs_first"] == 1.0
+    for r in rows:
+        assert r["first_round_s"] == r["round_seconds"][0]
+        expect = paired_time_ratio(base[1:], r["round_seconds"][1:])
+        assert (r["steady_vs_first"], r["steady_vs_first_low"], r["steady_vs_first_high"]) == expect
 
 
 @pytest.mark.slow
