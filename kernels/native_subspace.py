@@ -4,7 +4,7 @@ when pre-RoPE and dotted with the query rows while it sits in L1; the values' co
 probabilities in their whitened basis); `prerope_scores`: the scores alone from dequantized coefficients (the torch
 path's blocks and the attention mass). The torch path of `from_subspace` writes and rereads every unpacked code and
 rebuilt key. Built like the decode kernel
-(`native.compile_library`, -O3 -march=native -ffast-math -fopenmp); the angles' cos and sin come from torch
+(`build.compile_library`, -O3 -march=native -ffast-math -fopenmp); the angles' cos and sin come from torch
 (`KeyRotation.cos_sin_at`), so RoPE is the torch path's. Unavailable (None from `prerope_scores`) where no compiler
 works, off the CPU, with `HF_KVCACHE_NATIVE=0` or inside `native.turned_off()`; callers then keep the torch path.
 """
@@ -24,14 +24,15 @@ from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 from hf_kvcache.rope import KeyRotation
 
 from .blockwise import combine, scratch
-from .native import FLAGS, NEG, _Build, _split, compile_library, enabled
+from .build import LibraryBuild, compile_library
+from .native import FLAGS, NEG, _split, enabled
 from .segments import SubspaceSegment
 
 SOURCE = Path(__file__).with_name("native_subspace.c")
 MAX_DIM = 256
 MAX_ROWS = 16  # query rows per KV head the kernel takes (grouped heads x positions)
 
-_build = _Build()
+_build = LibraryBuild()
 _tables = threading.local()  # {id(rope): (rope, cos, sin)} of positions 0..: see `_angles`
 
 

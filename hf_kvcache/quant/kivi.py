@@ -15,7 +15,7 @@ appending tokens never repacks anything, only the per-channel scales are per gro
 
 Clipping (optional) shrinks each group's [min, max] around its midpoint by `clip_ratio`; `clip_search=True` tries
 the ratios in `CLIP_GRID` and keeps, per group, the one with the smallest squared error. On the CPU each candidate
-(its range, fp16 scale and zero, squared errors or codes) and the packing run in C (`kernels.native_encode`), bit
+(its range, fp16 scale and zero, squared errors or codes) and the packing run in C (`kernels.native_kivi`), bit
 for bit; the sums of the errors per group stay torch's.
 
 Dequantization unpacks with `quant.packing.unpack_lanes` (float codes, lane factors folded into the per-channel key
@@ -113,8 +113,8 @@ def _candidate(g: torch.Tensor, red: int, extent: tuple[torch.Tensor, torch.Tens
                errors: bool):
     """The groups of `g` coded over their `extent` shrunk by `ratio`: (lo, hi, fp16 scale, fp16 zero, the squared
     error of each element's round trip with `errors`, else its uint8 code). On the CPU in one C call
-    (`kernels.native_encode.kivi_candidate`), bit for bit the torch code."""
-    from ..kernels.native_encode import kivi_candidate
+    (`kernels.native_kivi.kivi_candidate`), bit for bit the torch code."""
+    from ..kernels.native_kivi import kivi_candidate
 
     got = kivi_candidate(g, red, *extent, ratio, bits, errors) if g.is_cpu else None
     if got is not None:

@@ -42,7 +42,7 @@ def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.contiguous()
     if codes.is_cpu and 8 % bits == 0 and n > 0:
-        from hf_kvcache.kernels.native_encode import pack_codes  # the same bytes in one C call, where it serves
+        from ..kernels.native_kivi import pack_codes  # the same bytes in one C call, where it serves
 
         packed = pack_codes(codes.contiguous(), bits)
         if packed is not None:
