@@ -47,6 +47,11 @@ class LibraryBuild:
         return self.lib
 
 
+def switched_off() -> bool:
+    """Whether `HF_KVCACHE_NATIVE=0` turns the C kernels off (callers keep their torch code)."""
+    return os.environ.get("HF_KVCACHE_NATIVE", "1") == "0"
+
+
 def _cpu_key() -> str:
     try:
         with open("/proc/cpuinfo") as f:

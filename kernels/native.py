@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .blockwise import scratch
-from .build import LibraryBuild as _Build, compile_library
+from .build import LibraryBuild as _Build, compile_library, switched_off
 from .segments import QuantSegment, TokenSegment
 from hf_kvcache.quant.uniform import FP8_DTYPES
 from hf_kvcache.rope import version_of
@@ -68,7 +67,7 @@ def turned_off():
 
 def enabled() -> bool:
     """Whether the compiled CPU kernels may run in this thread (not `turned_off`, not `HF_KVCACHE_NATIVE=0`)."""
-    return os.environ.get("HF_KVCACHE_NATIVE", "1") != "0" and not getattr(_off, "depth", 0)
+    return not switched_off() and not getattr(_off, "depth", 0)
 
 
 def library() -> ctypes.CDLL | None:

@@ -12,14 +12,13 @@ the torch code.
 from __future__ import annotations
 
 import ctypes
-import os
 from pathlib import Path
 
 import torch
 
 from hf_kvcache.quant.uniform import QuantizedTensor
 
-from .build import LibraryBuild, compile_library
+from .build import LibraryBuild, compile_library, switched_off
 from .native import _ptr, as_float32, blocks_of
 
 SOURCE = Path(__file__).with_name("native_encode.c")
@@ -31,7 +30,7 @@ _build = LibraryBuild()
 
 def library() -> ctypes.CDLL | None:
     """The compiled encoder, built on first use; None (after one warning) where it cannot be built or is off."""
-    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
+    if switched_off():
         return None
     return _build.load(_compile, "the native CPU encoder (codes are computed by torch)")
 

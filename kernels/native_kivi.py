@@ -13,13 +13,12 @@ a layout it does not take; callers then keep the torch code.
 from __future__ import annotations
 
 import ctypes
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .build import LibraryBuild, compile_library
+from .build import LibraryBuild, compile_library, switched_off
 
 SOURCE = Path(__file__).with_name("native_kivi.c")
 FLAGS = ("-O3", "-march=native", "-fno-fast-math", "-ffp-contract=off", "-shared", "-fPIC")
@@ -29,7 +28,7 @@ _build = LibraryBuild()
 
 def library() -> ctypes.CDLL | None:
     """The compiled functions, built on first use; None (after one warning) where they cannot be built or are off."""
-    if os.environ.get("HF_KVCACHE_NATIVE", "1") == "0":
+    if switched_off():
         return None
     return _build.load(_compile, "the native KIVI encoder (codes are computed by torch)")
 
