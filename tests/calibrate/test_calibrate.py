@@ -7,6 +7,7 @@ import torch
 
 import hf_kvcache
 from hf_kvcache import TieredQuantCache
+from hf_kvcache.caches.tiered import TieredQuantOptions
 from hf_kvcache.calibrate import LayerRecipe, attention_error, choose_recipe
 from hf_kvcache.calibrate.recipe import ARCHIVE_FORMAT_NAMES, QueryAttention, choose_archive_format
 from hf_kvcache.caches.archive import ARCHIVE_FORMATS
@@ -196,26 +197,29 @@ def test_a_calibrating_layer_holds_its_last_queries_not_the_forwards_whole_query
 
 @pytest.mark.slow
 @torch.no_grad()
-def test_a_fitted_archive_format_competes_only_with_enough_positions_to_fit(smol, moby_text, monkeypatch):
-    """A basis fitted on fewer positions than `MIN_FIT_POSITIONS_PER_DIM` per head dimension is not a candidate: the
+def test_a_fitted_archive_format_competes_only_with_enough_positions_to_fit(smol, moby_text):
+    """A basis fitted on fewer than `candidate_fit_per_dim` positions per head dimension is not a candidate: the
     layer keeps `archive_quantizer` without round-tripping it."""
-    from hf_kvcache.caches.tiered import calibration
-
     model, tok = smol
     model.set_attn_implementation("sdpa")
     ids = load_tokens(tok, moby_text, 5000, 448)
-    monkeypatch.setattr(calibration, "MIN_FIT_POSITIONS_PER_DIM", 4)  # 256 positions for SmolLM2's 64-dim heads
-    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"])
-    model(ids[:, :384], past_key_values=cache)  # calibrates on 384 held positions: 2 of 5 archive groups fitted on
-    model(ids[:, 384:], past_key_values=cache)
-    recipes = cache.recipes()
-    assert all(r["source"] == "queries" and not any(e.startswith("format-") for e in r["errors"]) for r in recipes)
-    assert all("archive_format" not in r for r in recipes)
-    monkeypatch.setattr(calibration, "MIN_FIT_POSITIONS_PER_DIM", 2)  # 128: the two groups are enough
-    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"])
-    model(ids[:, :384], past_key_values=cache)
-    model(ids[:, 384:], past_key_values=cache)
-    assert all("format-subspace" in r["errors"] for r in cache.recipes())
+
+    def recipes(per_dim: int) -> list[dict]:
+        cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"],
+                                 candidate_fit_per_dim=per_dim)
+        model(ids[:, :384], past_key_values=cache)  # calibrates on 384 held positions: 2 of 5 archive groups fitted on
+        model(ids[:, 384:], past_key_values=cache)
+        return cache.recipes()
+
+    short = recipes(3)  # 192 positions for SmolLM2's 64-dim heads: more than the 128 fitted on
+    assert all(r["source"] == "queries" and not any(e.startswith("format-") for e in r["errors"]) for r in short)
+    assert all("archive_format" not in r for r in short)
+    assert all("format-subspace" in r["errors"] for r in recipes(2))  # 128: the two groups are enough (the default)
+
+
+def test_candidate_fit_per_dim_is_checked():
+    with pytest.raises(ValueError, match="candidate_fit_per_dim must be a positive integer"):
+        TieredQuantOptions(candidate_fit_per_dim=0)
 
 
 @pytest.mark.slow

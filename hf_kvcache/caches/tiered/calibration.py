@@ -16,10 +16,6 @@ from ..archive import FORMAT_CLASSES
 from .options import CALIBRATION_GROUPS
 
 
-# archive_candidates: a fitted format (a basis, a codebook) competes only when the positions it is fitted on in the
-# calibration round trip number at least this many per head dimension: fitted on fewer (a 256-dim head on the first
-# 512-token chunk of a stream) it scores well on the calibration's own positions and badly on the rest of the stream
-MIN_FIT_POSITIONS_PER_DIM = 2
 # a calibration keeps the keys / values it has round-tripped (to give them again) within this many bytes
 KEPT_ROUNDTRIP_BYTES = 64 << 20
 
@@ -135,7 +131,7 @@ class TierCalibration:
         dropped: the chosen format is fitted as usual on the first positions archived."""
         p, g = self.plan, self.plan.archive_group
         fit_positions = max(g, self._roundtrip_length(keys.shape[2]) // g // 2 * g)  # what `fit_and_code` fits on
-        enough = fit_positions >= MIN_FIT_POSITIONS_PER_DIM * max(self.head_dim, self.value_dim)
+        enough = fit_positions >= p.candidate_fit_per_dim * max(self.head_dim, self.value_dim)
         others = tuple(c for c in (p.archive_candidates or ())
                        if c != p.archive_quantizer and (enough or not FORMAT_CLASSES[c].needs_fit))
         if not others:

@@ -114,11 +114,16 @@ class TieredQuantOptions(CacheOptions):
       error of the layer's queries by `calibrate.recipe.ARCHIVE_FORMAT_MARGIN` (relative) against
       `archive_quantizer` (a fitted format is fitted on the first half of the held archive groups, so that the
       other half is coded as later positions are; it competes only when that half holds at least
-      `caches.tiered.calibration.MIN_FIT_POSITIONS_PER_DIM` positions per head dimension); the choice is in the
+      `candidate_fit_per_dim` positions per head dimension); the choice is in the
       layer's recipe (`cache.recipes()`), and the chosen format is fitted as usual on what the layer archives.
       Without queries, `archive_quantizer`. None / []: no choice. Sliding-window layers take it only from `sliding`.
       The fused attention reads a subspace archive in place (pre-RoPE keys rebuilt at every step, post-RoPE ones
       folded into the query, see subspace_prerope); a KVQuant archive is dequantized at every step
+    - candidate_fit_per_dim: archive_candidates: a fitted format (subspace, KVQuant) competes only where the
+      positions its calibration fit holds number at least this many per head dimension (the larger of keys' and
+      values'): fitted on fewer, a basis scores well on the calibration's own positions and badly on the rest of
+      the stream, and its bytes are not paid back (a 2048-token stream in 32-token chunks calibrates on ~320
+      positions and fits on 128, 2 per dimension of a 64-dim head; a 2048-position calibration fits on 960)
     - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
       this many positions and is fitted on all of them (they stay at warm_bits until then; 0: fitted on the first
       archive group and the warm tier after it). A basis or codebook fitted once on a few hundred positions of a
@@ -206,6 +211,7 @@ class TieredQuantOptions(CacheOptions):
     sink_length: int = 4
     archive_quantizer: str = "kivi"
     archive_candidates: list | None = None
+    candidate_fit_per_dim: int = 2
     archive_outliers: float = 0.01
     archive_rank: int | None = None
     archive_fit_positions: int = 0
@@ -249,6 +255,7 @@ class TieredQuantOptions(CacheOptions):
         check_choice("archive_quantizer", self.archive_quantizer, QUANTIZERS)
         check_number("archive_outliers", self.archive_outliers, 0.0, 0.5, hi_open=True)
         check_int("archive_fit_positions", self.archive_fit_positions, lo=0)
+        check_int("candidate_fit_per_dim", self.candidate_fit_per_dim, lo=1)
         self._check_archive_formats()
         _check_quant_knobs(self)
         check_positive_int("archive_group_size", self.archive_group_size, allow_none=True)
