@@ -28,7 +28,7 @@ register_cache("fp8", fixed(UniformQuantCache, dtype="fp8_e4m3"))
 register_cache("uniform", UniformQuantCache)
 register_cache("tiered", TieredQuantCache)
 register_cache("tiered_long", preset(TieredQuantCache, **LONG_CONTEXT))  # query-free, the same in any loop
-register_cache("tiered_retrieval", preset(TieredQuantCache, **RETRIEVAL))  # keeps more of what long prompts are asked
+register_cache("tiered_retrieval", preset(TieredQuantCache, **RETRIEVAL))  # round 13, before it became the default
 register_cache("kivi", KIVICache)
 register_cache("cpac", CPACCache)
 register_cache("h2o", H2OCache)

@@ -77,7 +77,9 @@ def test_sliding_options_default_validate_and_serialize():
     assert (plan.rotation, plan.clip_on, plan.sink_length, plan.sliding) == ("none", "values", 0, None)
     # keys left out take the full layers' value; None: sliding layers run the full layers' options (without sinks)
     assert TieredQuantOptions(sliding={"archive_bits": 4}).for_sliding().warm_length == 448
-    assert TieredQuantOptions(sliding=None).for_sliding() == TieredQuantOptions(sliding=None, sink_length=0)
+    # ... except the archive candidates, which a sliding layer takes only from `sliding`
+    assert TieredQuantOptions(sliding=None).for_sliding() == TieredQuantOptions(sliding=None, sink_length=0,
+                                                                                archive_candidates=None)
     assert TieredQuantOptions.from_json(opts.to_json()) == opts
     assert KIVIOptions().as_tiered().sliding is None  # KIVI runs one recipe on every layer
     with pytest.raises(ValueError, match="sliding must be a JSON object"):

@@ -98,7 +98,9 @@ def test_calibration_chooses_each_layers_archive_format_by_its_queries(smol, mob
     model, tok = smol
     model.set_attn_implementation("sdpa")
     ids = load_tokens(tok, moby_text, 5000, 1024)
-    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"])
+    # a fitted format competes after a fit on 2 positions per dimension, as before round 17 (the default 10 would
+    # leave the subspace basis out on a 960-position prompt)
+    cache = TieredQuantCache(config=model.config, archive_candidates=["kivi", "subspace"], candidate_fit_per_dim=2)
     model(ids[:, :960], past_key_values=cache)  # the queries reach a layer after its update: it calibrates on the next
     model(ids[:, 960:], past_key_values=cache)
     recipes = cache.recipes()
@@ -233,7 +235,7 @@ def test_a_chunked_prefill_calibrates_on_calibration_positions(smol, moby_text, 
     model, tok = smol
     model.set_attn_implementation("sdpa")
     ids = load_tokens(tok, moby_text, 5000, 1100)
-    opts = dict(archive_candidates=["kivi", "subspace"])
+    opts = dict(archive_candidates=["kivi", "subspace"], candidate_fit_per_dim=2)  # as measured before round 17
     seen = []  # positions each layer calibrated on
     calibrate = TieredQuantLayer._calibrate
     monkeypatch.setattr(TieredQuantLayer, "_calibrate", lambda la, k, v: (seen.append(k.shape[2]), calibrate(la, k, v)))

@@ -7,6 +7,7 @@ from typing import Any
 
 from ...calibrate import LayerRecipe
 from ...calibrate.thresholds import AdaptiveThresholds
+from ...rope import KeyRotation
 from ..base import CompressedCache, memory_stats
 from ..budget import RatioBudget
 from .options import TIERS, TieredQuantOptions, KIVIOptions, needs_rope
@@ -14,7 +15,8 @@ from .layer import KIVILayer, TieredQuantLayer
 
 
 class TieredQuantCache(AdaptiveThresholds, CompressedCache):
-    """Hot tail + 4-bit warm + 2-bit archive (KIVI). `TieredQuantCache(config=model.config, tail_length=64)`.
+    """Hot tail + 4-bit warm + 2-bit archive (KIVI codes, or a subspace basis where calibration finds it better).
+    `TieredQuantCache(config=model.config, tail_length=64)`.
 
     Quality: `quality_metrics()` (online proxy), `adapt_thresholds(feedback)` / `save_thresholds` /
     `load_thresholds` (`hf_kvcache.calibrate.thresholds`: the hot boundary and archive width, adapted from measured
@@ -25,6 +27,8 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
     reads_fused = True  # generate binds it to the model and runs the fused attention over its codes
 
     def __init__(self, config=None, **options: Any) -> None:
+        if self.options_class is TieredQuantOptions:
+            options = _default_candidates(config, options)
         super().__init__(config, **options)
         recipes = getattr(self.options, "recipes", None)
         if recipes is not None:
@@ -90,6 +94,23 @@ class KIVICache(TieredQuantCache):
     options_class = KIVIOptions
     layer_class = KIVILayer
     threshold_fields = ("residual_length", "bits")
+
+
+def _default_candidates(config: Any, options: dict[str, Any]) -> dict[str, Any]:
+    """`options` with `archive_candidates="auto"` (the default) turned off where the model's RoPE cannot be read
+    (no config, or a model without full-head RoPE): a pre-RoPE subspace candidate needs it, so such a cache keeps
+    KIVI archives, as with `archive_candidates=None`."""
+    if options.get("archive_candidates", "auto") != "auto":
+        return options
+    try:
+        if config is not None:
+            text = config.get_text_config(decoder=True)
+            for layer_type in set(getattr(text, "layer_types", None) or [None]):
+                KeyRotation.from_config(config, layer_type=layer_type)
+            return options
+    except ValueError:
+        pass
+    return {**options, "archive_candidates": None}
 
 
 def _rope_user(options: TieredQuantOptions) -> str:

@@ -36,14 +36,18 @@ SLIDING_DEFAULT = {"tail_length": 0, "warm_length": 64, "warm_fraction": 0.0, "w
 # groups beside 2-bit values; the warm tier sized by a 5x memory target (chosen on held-out spans:
 # docs/rows/long_selection_rule.md)
 LONG_CONTEXT = {"rotation": "static", "archive_key_bits": 3, "archive_group_size": 128, "warm_length": 64,
-                "warm_fraction": 0.0, "target_ratio": 5.0,
+                "warm_fraction": 0.0, "target_ratio": 5.0, "archive_candidates": None,
+                "fitted_state_from_warm": False,
                 "sliding": {**SLIDING_DEFAULT, "archive_group_size": 64}}
-# `cache_implementation="tiered_retrieval"`: the archive format chosen per layer from its queries (KIVI or a fitted
-# subspace basis), the warm tier sized by a 5.15x memory target, a fitted basis paid from the warm floor at short
-# lengths, calibration on the prompt as it comes (chosen on held-out RULER-style samples, rounds 7-13 of
-# docs/rows/ruler_tiered_selection_rule.md, for Qwen2.5-like models; not the default: SmolLM2's 2K perplexity)
-RETRIEVAL = {"archive_candidates": ["kivi", "subspace"], "warm_fraction": 0.0, "target_ratio": 5.15,
-             "fitted_state_from_warm": True, "calibration_positions": 0}
+# the archive formats calibration chooses from by default (`archive_candidates="auto"`, round 17 of
+# docs/rows/ruler_tiered_selection_rule.md)
+DEFAULT_CANDIDATES = ("kivi", "subspace")
+# `cache_implementation="tiered_retrieval"`: round 13's retrieval setting (docs/rows/ruler_tiered_selection_rule.md),
+# kept as it was measured: calibration on the prompt as it comes, and a fitted archive format competing after a fit
+# on 2 positions per head dimension; the default since round 17 differs in those two (2048 calibration positions,
+# 10 per dimension)
+RETRIEVAL = {"archive_candidates": list(DEFAULT_CANDIDATES), "warm_fraction": 0.0, "target_ratio": 5.15,
+             "fitted_state_from_warm": True, "calibration_positions": 0, "candidate_fit_per_dim": 2}
 CALIBRATION_GROUPS = 4  # archive groups "auto" round-trips per candidate (the tail waits for them, once)
 
 
@@ -72,14 +76,15 @@ class TieredQuantOptions(CacheOptions):
       contexts), a layer whose archive format holds fitted state (subspace bases, KVQuant codebooks) keeps fewer
       warm positions, as many fewer as it takes to hold no more bytes than with a KIVI archive and `warm_length`
       warm positions (`caches.budget.fitted_warm_floor`); where the memory target sizes the warm tier, it already
-      counts that state. False: `warm_length` for every layer
+      counts that state (the default). False: `warm_length` for every layer
     - warm_fraction: the warm tier also keeps this fraction of the positions seen (of the window, for a sliding
       layer), rounded down to whole groups, when that is more than warm_length: the archive's share, and its error,
-      stop growing with the context (0: a fixed warm tier)
+      stop growing with the context (0, the default since round 17: a fixed warm tier, sized by target_ratio)
     - target_ratio: the warm tier also keeps as many positions as the cache's memory allows at this ratio vs fp16
       (`caches.budget.RatioBudget`: the bytes every tensor of the cache holds, sliding-window layers included, at
       most fp16 bytes / target_ratio once the context is long enough for it): the newest positions get warm_bits
-      as far as that memory goes (None: no memory target)
+      as far as that memory goes (None: no memory target; 5.15 by default, chosen in round 17 of
+      docs/rows/ruler_tiered_selection_rule.md)
     - min_ratio: the warm tier keeps no more positions than the cache's memory allows at this ratio vs fp16 (the same
       `RatioBudget` as target_ratio, read as a cap on what warm_fraction and target_ratio give full-attention
       layers; never fewer than warm_length): the whole cache stays at least this many times smaller than fp16 once
@@ -116,14 +121,19 @@ class TieredQuantOptions(CacheOptions):
       other half is coded as later positions are; it competes only when that half holds at least
       `candidate_fit_per_dim` positions per head dimension); the choice is in the
       layer's recipe (`cache.recipes()`), and the chosen format is fitted as usual on what the layer archives.
-      Without queries, `archive_quantizer`. None / []: no choice. Sliding-window layers take it only from `sliding`.
+      Without queries, `archive_quantizer`. None / []: no choice. "auto" (the default): `DEFAULT_CANDIDATES` (KIVI
+      or a subspace basis) where rotation is "auto" and archive_quantizer "kivi", else None (and None in a cache
+      built without the model config, or for a model without RoPE over the whole head: the subspace candidate's
+      pre-RoPE keys need it); set None for a KIVI archive in every layer. Sliding-window layers take it only from
+      `sliding`.
       The fused attention reads a subspace archive in place (pre-RoPE keys rebuilt at every step, post-RoPE ones
       folded into the query, see subspace_prerope); a KVQuant archive is dequantized at every step
     - candidate_fit_per_dim: archive_candidates: a fitted format (subspace, KVQuant) competes only where the
       positions its calibration fit holds number at least this many per head dimension (the larger of keys' and
       values'): fitted on fewer, a basis scores well on the calibration's own positions and badly on the rest of
       the stream, and its bytes are not paid back (a 2048-token stream in 32-token chunks calibrates on ~320
-      positions and fits on 128, 2 per dimension of a 64-dim head; a 2048-position calibration fits on 960)
+      positions and fits on 128, 2 per dimension of a 64-dim head; a 2048-position calibration fits on 960; the
+      default 10 was fixed before round 17's runs)
     - archive_fit_positions: a fitted archive format (KVQuant, subspace) waits until the warm tier holds at least
       this many positions and is fitted on all of them (they stay at warm_bits until then; 0: fitted on the first
       archive group and the warm tier after it). A basis or codebook fitted once on a few hundred positions of a
@@ -198,9 +208,9 @@ class TieredQuantOptions(CacheOptions):
 
     tail_length: int = 64
     warm_length: int = 448
-    fitted_state_from_warm: bool = False
-    warm_fraction: float = 0.22
-    target_ratio: float | None = None
+    fitted_state_from_warm: bool = True
+    warm_fraction: float = 0.0
+    target_ratio: float | None = 5.15
     min_ratio: float | None = None
     warm_bits: int = 4
     archive_bits: int = 2
@@ -210,8 +220,8 @@ class TieredQuantOptions(CacheOptions):
     value_group_size: int | None = None
     sink_length: int = 4
     archive_quantizer: str = "kivi"
-    archive_candidates: list | None = None
-    candidate_fit_per_dim: int = 2
+    archive_candidates: list | str | None = "auto"
+    candidate_fit_per_dim: int = 10
     archive_outliers: float = 0.01
     archive_rank: int | None = None
     archive_fit_positions: int = 0
@@ -334,11 +344,15 @@ class TieredQuantOptions(CacheOptions):
 
     def _check_archive_candidates(self) -> None:
         c = self.archive_candidates
+        if c == "auto":
+            auto = self.rotation == "auto" and self.archive_quantizer == "kivi"
+            self.archive_candidates = list(DEFAULT_CANDIDATES) if auto else None
+            return
         if c is None:
             return
         if not isinstance(c, list):
             raise ValueError(f"archive_candidates must be a JSON list of archive formats, e.g. ['kivi', 'subspace'], "
-                             f"or None, got {c!r}")
+                             f"\"auto\" or None, got {c!r}")
         for name in c:
             check_choice("archive_candidates entry", name, ARCHIVE_FORMATS)
         if set(c) - {self.archive_quantizer}:
@@ -386,7 +400,8 @@ class KIVIOptions(CacheOptions):
             sink_length=self.sink_length, key_axis=self.key_axis, rotation=self.rotation,
             rotation_dtype=self.rotation_dtype,
             clip_ratio=self.clip_ratio, clip_search=self.clip_search, clip_on=self.clip_on, tail_dtype=self.tail_dtype,
-            archive_error_target=None, sliding=None,
+            archive_error_target=None, sliding=None, archive_candidates=None, target_ratio=None,
+            fitted_state_from_warm=False,
         )
 
 

@@ -162,11 +162,11 @@ def test_a_fitted_state_is_paid_from_the_warm_floor_where_the_target_is_out_of_r
     """`fitted_state_from_warm`: on a short stream (the target out of reach) a subspace archive's layers keep fewer warm
     positions than warm_length and hold no more than layers with a KIVI archive; on a long one, where the target
     sizes the warm tier, the cache stores exactly what it stores without the option."""
-    options = dict(rotation="static", warm_length=256, warm_fraction=0.0, target_ratio=5.0)
+    options = dict(rotation="static", warm_length=256, warm_fraction=0.0, target_ratio=5.0, fitted_state_from_warm=False)
     kivi = TieredQuantCache(config=llama_config(), **options)
     subspace = dict(options, archive_quantizer="subspace", archive_rank=56)
     fitted = TieredQuantCache(config=llama_config(), **subspace)
-    paid = TieredQuantCache(config=llama_config(), **subspace, fitted_state_from_warm=True)
+    paid = TieredQuantCache(config=llama_config(), **{**subspace, "fitted_state_from_warm": True})
     warm = []
     for step in range(32):  # 8192 positions in 256-position chunks
         for cache in (kivi, fitted, paid):
@@ -226,7 +226,7 @@ def test_static_rotation_needs_no_queries(tiny_llama):
 
 def test_target_ratio_sizes_the_warm_tier_by_memory():
     options = dict(rotation="static", archive_key_bits=3, archive_group_size=128, warm_length=64, warm_fraction=0.0)
-    plain = TieredQuantCache(config=llama_config(), **options)
+    plain = TieredQuantCache(config=llama_config(), **options, target_ratio=None)
     budget = TieredQuantCache(config=llama_config(), **options, target_ratio=5.0)
     ratios, warm = [], []
     for _ in range(32):  # 8192 positions in 256-position chunks
@@ -337,6 +337,29 @@ def test_the_long_context_name_is_a_preset_the_user_can_override():
     assert build_cache("tiered_long", llama_config()).options.target_ratio == 5.0
 
 
+def test_the_default_is_round_17s_setting():
+    """The `tiered` defaults are the setting round 17 measured (docs/rows/ruler_tiered_selection_rule.md), spelled out
+    so that a change that departs from it fails; the subspace candidate only where the model's RoPE is known."""
+    from transformers import GPT2Config
+
+    from hf_kvcache import build_cache
+    from hf_kvcache.caches.tiered import TieredQuantOptions
+
+    measured = TieredQuantOptions(archive_candidates=["kivi", "subspace"], warm_fraction=0.0, target_ratio=5.15,
+                                  fitted_state_from_warm=True, candidate_fit_per_dim=10, calibration_positions=2048)
+    assert build_cache("tiered", llama_config()).options == TieredQuantOptions() == measured
+    # a fixed rotation or archive format: no choice; without the model's RoPE: KIVI archives, as with None
+    assert TieredQuantOptions(rotation="none").archive_candidates is None
+    assert TieredQuantOptions(archive_quantizer="subspace").archive_candidates is None
+    assert TieredQuantCache().options.archive_candidates is None
+    assert TieredQuantCache(config=GPT2Config(n_layer=2, n_head=2, n_embd=64)).options.archive_candidates is None
+    with pytest.raises(ValueError, match="archive_candidates must be a JSON list of archive formats"):
+        TieredQuantOptions(archive_candidates="kivi")
+    cache = TieredQuantCache()  # works on any model: the KIVI archive needs no RoPE
+    stream_random(cache, [1024, 1], B, H, 64, LAYERS)
+    assert cache.layers[0].tiers.tokens("archive") > 0 and cache.layers[0].recipe.archive_format is None
+
+
 def test_the_retrieval_name_is_the_measured_setting():
     """`tiered_retrieval` is the setting the RULER-style rows label `t-cand515-w` (docs/results/ruler.md), spelled out
     here so that a change to the preset that departs from what was measured fails."""
@@ -344,6 +367,6 @@ def test_the_retrieval_name_is_the_measured_setting():
     from hf_kvcache.caches.tiered import TieredQuantOptions
 
     measured = TieredQuantOptions(archive_candidates=["kivi", "subspace"], warm_fraction=0.0, target_ratio=5.15,
-                                  fitted_state_from_warm=True, calibration_positions=0)
+                                  fitted_state_from_warm=True, calibration_positions=0, candidate_fit_per_dim=2)
     assert build_cache("tiered_retrieval", llama_config()).options == measured
     assert build_cache("tiered_retrieval", llama_config(), target_ratio=6.0).options.target_ratio == 6.0

@@ -324,8 +324,9 @@ def test_prefill_warm_positions_keep_a_chunked_prompt_warm_until_it_ends():
     """`prefill_warm_positions`: while equal chunks keep coming (a chunked prefill), at least that many positions
     past the tail stay at warm_bits; a shorter update ends the prompt and the excess goes to the archive at once, to
     the same stored tensors as without the option. One forward and short-chunk streams are unchanged."""
-    held = TieredQuantCache(config=tiny_config(), **SMALL, prefill_warm_positions=256)
-    plain = TieredQuantCache(config=tiny_config(), **SMALL)
+    small = dict(SMALL, warm_fraction=0.22, target_ratio=None)  # the warm tier sized by the positions seen
+    held = TieredQuantCache(config=tiny_config(), **small, prefill_warm_positions=256)
+    plain = TieredQuantCache(config=tiny_config(), **small)
     for cache in (held, plain):
         feed(cache, [80] * 4)  # the first chunk (80 >= tail 8 + 4 archive groups) opens a chunked prefill
     assert raw_counts(held.layers[0]) == {"archive": 48, "warm": 256, "tail": 16}
