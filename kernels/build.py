@@ -9,6 +9,7 @@ import ctypes
 import hashlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -64,6 +65,13 @@ def _build_dir() -> Path:
     return Path(os.environ.get("HF_KVCACHE_NATIVE_DIR") or Path.home() / ".cache" / "hf-kvcache" / "native")
 
 
+def _local_headers(source_path: Path) -> list[bytes]:
+    """The bytes of each header `source_path` includes by a quoted name from its own folder (`#include "x.h"`), so
+    that a change to one rebuilds every source that includes it."""
+    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source_path.read_bytes(), flags=re.MULTILINE)
+    return [(source_path.parent / n.decode()).read_bytes() for n in names]
+
+
 def compile_library(source_path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
     """`source_path` compiled with the system C compiler and `flags` into the build folder (once per source, flags
     and CPU; concurrent builders each write their own file, then one atomic rename), loaded.
@@ -73,7 +81,7 @@ def compile_library(source_path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
     cc = shlex.split(os.environ.get("CC") or "cc")
     if shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler: {cc[0]!r} is not on PATH (set CC)")
-    source = source_path.read_bytes()
+    source = source_path.read_bytes() + b"".join(_local_headers(source_path))
     key = hashlib.sha256(b"\0".join([source, " ".join(cc + list(flags)).encode(), _cpu_key().encode()])).hexdigest()
     target = _build_dir() / f"{source_path.stem}_{key[:16]}.so"
     if not target.exists():

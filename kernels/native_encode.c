@@ -19,19 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
-typedef _Float16 half;
-
-static uint16_t bits_of(half h) {
-    uint16_t u;
-    memcpy(&u, &h, 2);
-    return u;
-}
-
-static half half_of(uint16_t u) {
-    half h;
-    memcpy(&h, &u, 2);
-    return h;
-}
+#include "fp16_bits.h"
 
 /* The fp16 scale of a float32 one: clamped to 1e-6, then one step up where rounding went below it. */
 static half scale_half(float s) {

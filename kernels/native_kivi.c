@@ -9,19 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-typedef _Float16 half;
-
-static uint16_t bits_of(half h) {
-    uint16_t u;
-    memcpy(&u, &h, 2);
-    return u;
-}
-
-static half half_of(uint16_t u) {
-    half h;
-    memcpy(&h, &u, 2);
-    return h;
-}
+#include "fp16_bits.h"
 
 /* One KIVI clipping candidate (quant/kivi.py's `quantize_kivi`), bit for bit what its torch code computes. x[A][G][C]
    float32 in groups of G (keys per channel: A groups of tokens, C channels; values per token: A groups of channels,

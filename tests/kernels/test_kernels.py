@@ -345,6 +345,26 @@ def test_native_kernel_unavailable_without_a_compiler(monkeypatch, tmp_path, cap
 
 
 
+def test_a_header_change_rebuilds_the_sources_that_include_it(monkeypatch, tmp_path):
+    """`build.compile_library` keys a build by the source and the headers it includes from its folder, so that an
+    edited shared header (`fp16_bits.h`) never loads a library compiled from the old one."""
+    import shutil
+
+    from hf_kvcache.kernels.build import compile_library
+
+    if shutil.which("cc") is None:
+        pytest.skip("no C compiler")
+    monkeypatch.setenv("HF_KVCACHE_NATIVE_DIR", str(tmp_path / "build"))
+    (tmp_path / "answer.h").write_text("#define ANSWER 41\n")
+    source = tmp_path / "answer.c"
+    source.write_text('#include "answer.h"\nint answer(void) { return ANSWER; }\n')
+    flags = ("-O1", "-shared", "-fPIC")
+    assert compile_library(source, flags).answer() == 41
+    (tmp_path / "answer.h").write_text("#define ANSWER 42\n")
+    assert compile_library(source, flags).answer() == 42
+    assert len(list((tmp_path / "build").glob("answer_*.so"))) == 2
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 7, 8, 16])
 def test_native_kernels_take_any_number_of_rows(m):
     """The kernels work through the query rows four at a time: every remainder (and the 16-row maximum) gives the
