@@ -4,8 +4,8 @@ reaches `calibration_positions` only with its last (short) update.
     OMP_NUM_THREADS=1 taskset -c 0 python benchmarks/first_step_time.py [--model smollm2-135m] [--tokens 2048] \
         [--caches dynamic tiered 'name=tiered:{...}']
 
-Per repetition and cache (by default DynamicCache, then `tiered`): the prompt in 512-token forwards, one decode step, then 8 more,
-each timed; a plain loop of `model(...)` calls on one thread. The rows go to stdout.
+Per repetition and cache (by default DynamicCache, then `tiered`): the prompt in 512-token forwards, one decode step,
+then 8 more, each timed; a plain loop of `model(...)` calls on one thread. The rows go to stdout.
 """
 
 from __future__ import annotations

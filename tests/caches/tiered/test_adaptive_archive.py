@@ -246,7 +246,8 @@ def test_sliding_layers_keep_a_subspace_archive_bounded():
 
 
 @pytest.mark.parametrize("opts, match", [
-    (dict(archive_rank=8, archive_candidates=None), "archive_rank=8 truncates the subspace archive's bases: set archive_quantizer='subspace'"),
+    (dict(archive_rank=8, archive_candidates=None),
+     "archive_rank=8 truncates the subspace archive's bases: set archive_quantizer='subspace'"),
     (dict(archive_quantizer="subspace", archive_rank=0), "archive_rank"),
     (dict(archive_quantizer="adaptive", adaptive_boundaries=[512, 256]), r"must be increasing positive positions"),
     (dict(archive_quantizer="adaptive", adaptive_boundaries=[512]), r"need one entry per range"),

@@ -162,7 +162,8 @@ def test_a_fitted_state_is_paid_from_the_warm_floor_where_the_target_is_out_of_r
     """`fitted_state_from_warm`: on a short stream (the target out of reach) a subspace archive's layers keep fewer warm
     positions than warm_length and hold no more than layers with a KIVI archive; on a long one, where the target
     sizes the warm tier, the cache stores exactly what it stores without the option."""
-    options = dict(rotation="static", warm_length=256, warm_fraction=0.0, target_ratio=5.0, fitted_state_from_warm=False)
+    options = dict(rotation="static", warm_length=256, warm_fraction=0.0, target_ratio=5.0,
+                   fitted_state_from_warm=False)
     kivi = TieredQuantCache(config=llama_config(), **options)
     subspace = dict(options, archive_quantizer="subspace", archive_rank=56)
     fitted = TieredQuantCache(config=llama_config(), **subspace)
