@@ -65,10 +65,10 @@ def _build_dir() -> Path:
     return Path(os.environ.get("HF_KVCACHE_NATIVE_DIR") or Path.home() / ".cache" / "hf-kvcache" / "native")
 
 
-def _local_headers(source_path: Path) -> list[bytes]:
-    """The bytes of each header `source_path` includes by a quoted name from its own folder (`#include "x.h"`), so
-    that a change to one rebuilds every source that includes it."""
-    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source_path.read_bytes(), flags=re.MULTILINE)
+def _local_headers(source_path: Path, source: bytes) -> list[bytes]:
+    """The bytes of each header `source` (the text of `source_path`) includes by a quoted name from its own folder
+    (`#include "x.h"`), so that a change to one rebuilds every source that includes it."""
+    names = re.findall(rb'^\s*#\s*include\s+"([^"]+)"', source, flags=re.MULTILINE)
     return [(source_path.parent / n.decode()).read_bytes() for n in names]
 
 
@@ -81,7 +81,8 @@ def compile_library(source_path: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
     cc = shlex.split(os.environ.get("CC") or "cc")
     if shutil.which(cc[0]) is None:
         raise RuntimeError(f"no C compiler: {cc[0]!r} is not on PATH (set CC)")
-    source = source_path.read_bytes() + b"".join(_local_headers(source_path))
+    source = source_path.read_bytes()
+    source += b"".join(_local_headers(source_path, source))
     key = hashlib.sha256(b"\0".join([source, " ".join(cc + list(flags)).encode(), _cpu_key().encode()])).hexdigest()
     target = _build_dir() / f"{source_path.stem}_{key[:16]}.so"
     if not target.exists():

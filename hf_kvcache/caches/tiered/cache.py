@@ -102,14 +102,14 @@ def _default_candidates(config: Any, options: dict[str, Any]) -> dict[str, Any]:
     KIVI archives, as with `archive_candidates=None`."""
     if options.get("archive_candidates", "auto") != "auto":
         return options
-    try:
-        if config is not None:
-            text = config.get_text_config(decoder=True)
+    if config is not None:
+        text = config.get_text_config(decoder=True)
+        try:
             for layer_type in set(getattr(text, "layer_types", None) or [None]):
                 KeyRotation.from_config(config, layer_type=layer_type)
             return options
-    except ValueError:
-        pass
+        except ValueError:
+            pass
     return {**options, "archive_candidates": None}
 
 
