@@ -9,6 +9,12 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+/* AVX-512 VBMI reads a row's codes with one byte permutation (`row_codes`); -DHF_KVCACHE_SCALAR_CODES, or a CPU
+ * without it, reads them a subspace at a time (`codes_of`): the same integers either way. */
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__) && !defined(HF_KVCACHE_SCALAR_CODES)
+#define FAST_CODES 1
+#include <immintrin.h>
+#endif
 
 /* a masked score: exp gives exactly 0 without the infinities that -ffast-math excludes */
 #define NEG (-3.0e38f)
@@ -163,6 +169,65 @@ static inline void codes_of(const uint8_t *row, const int *meta, int subspaces, 
         unpack_run(row + meta[4 * g + 3], meta[4 * g + 2], meta[4 * g + 1] - meta[4 * g], out + meta[4 * g]);
 }
 
+/* A row's codes in a few vector instructions: every code's two bytes gathered into a 16-bit lane by one byte
+ * permutation of the row (loaded whole, at most 64 bytes), shifted and masked; 32 codes a block. The plan is made
+ * once a call from the layout; longer rows (and builds without FAST_CODES) take `codes_of`. */
+struct code_plan {
+#ifdef FAST_CODES
+    __m512i perm[MAXDIM / 32], shift[MAXDIM / 32], mask[MAXDIM / 32];
+    __mmask64 load;
+#endif
+    int blocks;  /* 0: no plan (codes_of) */
+};
+
+static void plan_codes(const int *meta, int subspaces, int row_bytes, struct code_plan *p) {
+    p->blocks = 0;
+#ifdef FAST_CODES
+    if (row_bytes > 64 || subspaces <= 0) return;
+    uint8_t perm[MAXDIM / 32][64];
+    uint16_t shift[MAXDIM / 32][32], mask[MAXDIM / 32][32];
+    memset(perm, 0, sizeof perm), memset(shift, 0, sizeof shift), memset(mask, 0, sizeof mask);
+    int n = 0;
+    for (int g = 0; g < subspaces; g++) {
+        const int lo = meta[4 * g], hi = meta[4 * g + 1], bits = meta[4 * g + 2], byte = meta[4 * g + 3];
+        for (int i = lo; i < hi; i++) {
+            const int pos = 8 * byte + bits * (i - lo), b = pos >> 3, k = i / 32, lane = i % 32;
+            perm[k][2 * lane] = (uint8_t)b, perm[k][2 * lane + 1] = (uint8_t)(b + 1 < 64 ? b + 1 : 63);
+            shift[k][lane] = (uint16_t)(pos & 7), mask[k][lane] = (uint16_t)((1u << bits) - 1);
+        }
+        if (hi > n) n = hi;
+    }
+    p->blocks = (n + 31) / 32;
+    for (int k = 0; k < p->blocks; k++) {
+        p->perm[k] = _mm512_loadu_si512(perm[k]);
+        p->shift[k] = _mm512_loadu_si512(shift[k]);
+        p->mask[k] = _mm512_loadu_si512(mask[k]);
+    }
+    p->load = row_bytes == 64 ? ~(__mmask64)0 : (((__mmask64)1 << row_bytes) - 1);
+#else
+    (void)meta, (void)subspaces, (void)row_bytes;
+#endif
+}
+
+/* out[0:32 * blocks] = the codes of one row (as float; zeros past the last) with a plan, else codes_of. */
+static inline void row_codes(const uint8_t *row, const struct code_plan *p, const int *meta, int subspaces,
+                             float *out) {
+#ifdef FAST_CODES
+    if (p->blocks) {
+        const __m512i r = _mm512_maskz_loadu_epi8(p->load, row);
+        for (int k = 0; k < p->blocks; k++) {
+            __m512i v = _mm512_permutexvar_epi8(p->perm[k], r);
+            v = _mm512_and_si512(_mm512_srlv_epi16(v, p->shift[k]), p->mask[k]);
+            _mm512_storeu_ps(out + 32 * k, _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_castsi512_si256(v))));
+            _mm512_storeu_ps(out + 32 * k + 16,
+                             _mm512_cvtepi32_ps(_mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(v, 1))));
+        }
+        return;
+    }
+#endif
+    codes_of(row, meta, subspaces, out);
+}
+
 struct sub_args {
     const float *q;                  /* [bh, rows, dim] */
     const uint8_t *kc, *vc;          /* [bh, tokens, kbytes / vbytes] */
@@ -172,6 +237,7 @@ struct sub_args {
     const float *cos_t, *sin_t;      /* [tokens, dim / 2] or NULL */
     const float *vscale, *vmid;      /* [bh, tokens, vsub] (times the width's step), [vsub] */
     const uint8_t *valid;            /* [batch, tokens] or NULL */
+    const struct code_plan *kplan, *vplan;
     int heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup, per;
     float scale;
 };
@@ -201,7 +267,7 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
         const int four = t % 4 == 0 && t + 4 <= t0 + n && (t + 3) / a->kgroup == t / a->kgroup;
         const int u_n = four ? 4 : 1;
         for (int u = 0; u < u_n; u++)
-            codes_of(a->kc + ((long)bh * a->tokens + t + u) * a->kbytes, a->kmeta, a->ksub, z[u]);
+            row_codes(a->kc + ((long)bh * a->tokens + t + u) * a->kbytes, a->kplan, a->kmeta, a->ksub, z[u]);
         const float *ct = a->cos_t ? a->cos_t + (long)t * half : 0, *sn = a->sin_t ? a->sin_t + (long)t * half : 0;
         if (four)
             rebuild_keys4(z, wg, mg, ct, sn, rank, dim, key);
@@ -236,7 +302,7 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
     float c[MAXDIM];
     for (int t = t0; t < t0 + n; t++) {
         if (valid && !valid[t]) continue;
-        codes_of(a->vc + ((long)bh * a->tokens + t) * a->vbytes, a->vmeta, a->vsub, c);
+        row_codes(a->vc + ((long)bh * a->tokens + t) * a->vbytes, a->vplan, a->vmeta, a->vsub, c);
         const float *vs = a->vscale + ((long)bh * a->tokens + t) * a->vsub;
         for (int g = 0; g < a->vsub; g++) {
             const int lo = a->vmeta[4 * g], hi = a->vmeta[4 * g + 1];
@@ -270,8 +336,11 @@ int subspace_partial(const float *q, int bh, int heads, int tokens, int dim, int
     /* each thread's copy of a key group's scaled basis */
     float *wbuf = malloc(sizeof(float) * (size_t)threads * (krank > 0 ? krank : 1) * dim);
     if (!wbuf) return -2;
+    struct code_plan kplan, vplan;
+    plan_codes(kmeta, ksub, kbytes, &kplan), plan_codes(vmeta, vsub, vbytes, &vplan);
     struct sub_args a = {q, kc, vc, kmeta, vmeta, kscale, kzero, w, mean, cos_t, sin_t, vscale, vmid, valid,
-                         heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup, per, scale};
+                         &kplan, &vplan, heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup,
+                         per, scale};
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)
     for (int i = 0; i < bh; i++) {
         for (int k = 0; k < chunks; k++) {

@@ -1,12 +1,13 @@
 """Attention over a subspace archive on the CPU in one C call (`native_subspace.c`). `coefficient_partial`: the whole
-softmax partial from the packed codes (each key's coefficients unpacked, rebuilt into the model's key, turned by RoPE
-when pre-RoPE and dotted with the query rows while it sits in L1; the values' coefficients weighted by the
-probabilities in their whitened basis); `prerope_scores`: the scores alone from dequantized coefficients (the torch
-path's blocks and the attention mass). The torch path of `from_subspace` writes and rereads every unpacked code and
-rebuilt key. Built like the decode kernel
-(`build.compile_library`, -O3 -march=native -ffast-math -fopenmp); the angles' cos and sin come from torch
-(`KeyRotation.cos_sin_at`), so RoPE is the torch path's. Unavailable (None from `prerope_scores`) where no compiler
-works, off the CPU, with `HF_KVCACHE_NATIVE=0` or inside `native.turned_off()`; callers then keep the torch path.
+softmax partial from the packed codes (each key's coefficients unpacked -- a row of up to 64 bytes by one byte
+permutation where the CPU has AVX-512 VBMI, else a subspace at a time: the same integers --, rebuilt into the
+model's key, turned by RoPE when pre-RoPE and dotted with the query rows while it sits in L1; the values'
+coefficients weighted by the probabilities in their whitened basis); `prerope_scores`: the scores alone from
+dequantized coefficients (the torch path's blocks and the attention mass). The torch path of `from_subspace` writes
+and rereads every unpacked code and rebuilt key. Built like the decode kernel (`build.compile_library`, -O3
+-march=native -ffast-math -fopenmp); the angles' cos and sin come from torch (`KeyRotation.cos_sin_at`), so RoPE is
+the torch path's. Unavailable (None from `prerope_scores`) where no compiler works, off the CPU, with
+`HF_KVCACHE_NATIVE=0` or inside `native.turned_off()`; callers then keep the torch path.
 """
 
 from __future__ import annotations
@@ -43,8 +44,10 @@ def library() -> ctypes.CDLL | None:
     return _build.load(_compile, "the native CPU subspace kernel (the fused attention uses its torch path)")
 
 
-def _compile() -> ctypes.CDLL:
-    lib = compile_library(SOURCE, FLAGS)
+def _compile(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+    """The kernel built with `flags` (`-DHF_KVCACHE_SCALAR_CODES` added: the build that reads codes a subspace at a
+    time, which the tests hold the vector reading to)."""
+    lib = compile_library(SOURCE, flags)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.subspace_rope_scores.restype = i
     lib.subspace_rope_scores.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]

@@ -580,6 +580,28 @@ def test_native_step_with_a_subspace_archive(warm, pads):
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
+def _subspace_case(b: int, t: int, rows: int, d: int, prerope: bool):
+    """(queries [b, 2, rows, d], a `SubspaceSegment` of t tokens, key_valid [b, t]): keys and values in eight
+    subspaces each, of odd and even sizes (codes ending inside a packed word) and every width 1-8, ranks below the
+    head dim, the second row left-padded over whole chunks and part of a key group."""
+    from hf_kvcache.kernels.segments import SubspaceSegment
+    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
+    from hf_kvcache.rope import KeyRotation
+
+    g, h = torch.Generator().manual_seed(11), 2
+    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
+    v = torch.randn(b, h, t, d, generator=g)
+    keys = quantize_subspace_rows(k, fit_subspace(k, rank=d - 8), (8, 5, 4, 3, 2, 1, 6, 7), d // 8 - 1,
+                                  rank=d - 8, axis="channel", token_group=64)
+    values = quantize_subspace_rows(v, fit_subspace(v, rank=d - 16), (1, 2, 3, 4, 5, 6, 7, 2), d // 8 - 2,
+                                    rank=d - 16, axis="token")
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 1.25) if prerope else None
+    q = torch.randn(b, h, rows, d, generator=g) / d**0.5
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :150] = False
+    return q, SubspaceSegment(keys, values, rope, start=37), valid
+
+
 @pytest.mark.parametrize("prerope", [True, False], ids=["pre-rope", "post-rope"])
 @pytest.mark.parametrize("threads,rows,d", [(1, 3, 64), (2, 7, 128), (2, 1, 256)])
 def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, d):
@@ -587,26 +609,11 @@ def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, 
     its group's scaled basis, values weighted in their whitened basis) against the torch path's blocks, for every
     code width 1-8 among the subspaces, a padded row, ranks below the head dim, several chunks on two threads."""
     from hf_kvcache.kernels import from_subspace, native_subspace
-    from hf_kvcache.kernels.segments import SubspaceSegment
-    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
-    from hf_kvcache.rope import KeyRotation
 
     if native_subspace.library() is None:
         pytest.skip("no C compiler: the native kernel is unavailable (the torch path serves)")
-    g = torch.Generator().manual_seed(11)
-    b, h, t = 2, 2, 2304 if threads > 1 else 320
-    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
-    v = torch.randn(b, h, t, d, generator=g)
-    # eight subspaces each, of odd and even sizes (codes ending inside a packed word)
-    keys = quantize_subspace_rows(k, fit_subspace(k, rank=d - 8), (8, 5, 4, 3, 2, 1, 6, 7), d // 8 - 1,
-                                  rank=d - 8, axis="channel", token_group=64)
-    values = quantize_subspace_rows(v, fit_subspace(v, rank=d - 16), (1, 2, 3, 4, 5, 6, 7, 2), d // 8 - 2,
-                                    rank=d - 16, axis="token")
-    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 1.25) if prerope else None
-    seg = SubspaceSegment(keys, values, rope, start=37)
-    q = torch.randn(b, h, rows, d, generator=g) / d**0.5
-    valid = torch.ones(b, t, dtype=torch.bool)
-    valid[1, :150] = False  # a left-padded row: whole chunks and part of a key group masked
+    b, t = 2, 2304 if threads > 1 else 320
+    q, seg, valid = _subspace_case(b, t, rows, d, prerope)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -619,6 +626,29 @@ def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, 
     for name, x, y in zip(("max", "sum", "coefficients"), got, ref):
         # float32 sums of up to 2304 terms in another order: measured within 4.5e-6 of the largest entry
         torch.testing.assert_close(x, y, atol=8e-6 * float(y.abs().max()), rtol=2e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_the_subspace_kernel_reads_codes_alike_in_both_builds(d):
+    """Where the CPU has AVX-512 VBMI, the kernel reads a row of codes (at most 64 bytes) with one byte permutation;
+    the build with -DHF_KVCACHE_SCALAR_CODES reads them a subspace at a time. Both give the same partial bit for bit:
+    the keys' rows here are 35 / 71 / 143 bytes and the values' 29 / 59 / 119 (both paths in one call at 128). On a
+    CPU without VBMI both builds read a subspace at a time."""
+    from hf_kvcache.kernels import native_subspace
+
+    if native_subspace.library() is None:
+        pytest.skip("no C compiler: the native kernel is unavailable (the torch path serves)")
+    q, seg, valid = _subspace_case(2, 320, 3, d, prerope=True)
+    vector = native_subspace.coefficient_partial(q, seg, valid)
+    scalar_lib = native_subspace._compile(native_subspace.FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",))
+    real = native_subspace.library
+    native_subspace.library = lambda: scalar_lib
+    try:
+        scalar = native_subspace.coefficient_partial(q, seg, valid)
+    finally:
+        native_subspace.library = real
+    for x, y in zip(vector, scalar):
+        assert torch.equal(x, y)
 
 
 @pytest.mark.parametrize("prerope,use_native", [(False, True), (True, True), (True, False)],
