@@ -580,10 +580,11 @@ def test_native_step_with_a_subspace_archive(warm, pads):
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
-def _subspace_case(b: int, t: int, rows: int, d: int, prerope: bool):
+def _subspace_case(b: int, t: int, rows: int, d: int, prerope: bool, full_8bit: bool = False):
     """(queries [b, 2, rows, d], a `SubspaceSegment` of t tokens, key_valid [b, t]): keys and values in eight
     subspaces each, of odd and even sizes (codes ending inside a packed word) and every width 1-8, ranks below the
-    head dim, the second row left-padded over whole chunks and part of a key group."""
+    head dim, the second row left-padded over whole chunks and part of a key group. `full_8bit`: instead every
+    direction kept at 8 bits (rows of d bytes)."""
     from hf_kvcache.kernels.segments import SubspaceSegment
     from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
     from hf_kvcache.rope import KeyRotation
@@ -591,10 +592,14 @@ def _subspace_case(b: int, t: int, rows: int, d: int, prerope: bool):
     g, h = torch.Generator().manual_seed(11), 2
     k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
     v = torch.randn(b, h, t, d, generator=g)
-    keys = quantize_subspace_rows(k, fit_subspace(k, rank=d - 8), (8, 5, 4, 3, 2, 1, 6, 7), d // 8 - 1,
-                                  rank=d - 8, axis="channel", token_group=64)
-    values = quantize_subspace_rows(v, fit_subspace(v, rank=d - 16), (1, 2, 3, 4, 5, 6, 7, 2), d // 8 - 2,
-                                    rank=d - 16, axis="token")
+    if full_8bit:
+        keys = quantize_subspace_rows(k, fit_subspace(k, rank=d), 8, d // 8, rank=d, axis="channel", token_group=64)
+        values = quantize_subspace_rows(v, fit_subspace(v, rank=d), 8, d // 8, rank=d, axis="token")
+    else:
+        keys = quantize_subspace_rows(k, fit_subspace(k, rank=d - 8), (8, 5, 4, 3, 2, 1, 6, 7), d // 8 - 1,
+                                      rank=d - 8, axis="channel", token_group=64)
+        values = quantize_subspace_rows(v, fit_subspace(v, rank=d - 16), (1, 2, 3, 4, 5, 6, 7, 2), d // 8 - 2,
+                                        rank=d - 16, axis="token")
     rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 1.25) if prerope else None
     q = torch.randn(b, h, rows, d, generator=g) / d**0.5
     valid = torch.ones(b, t, dtype=torch.bool)
@@ -628,17 +633,18 @@ def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, 
         torch.testing.assert_close(x, y, atol=8e-6 * float(y.abs().max()), rtol=2e-5, msg=lambda m: f"{name}: {m}")
 
 
-@pytest.mark.parametrize("d", [64, 128, 256])
-def test_the_subspace_kernel_reads_codes_alike_in_both_builds(d):
+@pytest.mark.parametrize("d,full_8bit", [(64, False), (128, False), (256, False), (64, True)])
+def test_the_subspace_kernel_reads_codes_alike_in_both_builds(d, full_8bit):
     """Where the CPU has AVX-512 VBMI, the kernel reads a row of codes (at most 64 bytes) with one byte permutation;
     the build with -DHF_KVCACHE_SCALAR_CODES reads them a subspace at a time. Both give the same partial bit for bit:
-    the keys' rows here are 35 / 71 / 143 bytes and the values' 29 / 59 / 119 (both paths in one call at 128). On a
-    CPU without VBMI both builds read a subspace at a time."""
+    the keys' rows here are 35 / 71 / 143 bytes and the values' 29 / 59 / 119 (both paths in one call at 128), and
+    64 / 64 at 8 bits (a whole 64-byte load). On a CPU without VBMI both builds read a subspace at a time."""
     from hf_kvcache.kernels import native_subspace
 
     if native_subspace.library() is None:
         pytest.skip("no C compiler: the native kernel is unavailable (the torch path serves)")
-    q, seg, valid = _subspace_case(2, 320, 3, d, prerope=True)
+    q, seg, valid = _subspace_case(2, 320, 3, d, prerope=True, full_8bit=full_8bit)
+    assert (seg.keys.codes.shape[-1] == 64) == full_8bit
     vector = native_subspace.coefficient_partial(q, seg, valid)
     scalar_lib = native_subspace._compile(native_subspace.FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",))
     real = native_subspace.library
