@@ -37,8 +37,11 @@ def captured_calls(model_name: str, tokens: int) -> list[tuple]:
             model(input_ids=ids[:, s : s + 512], past_key_values=cache, use_cache=True)
         for i in range(10):
             model(input_ids=ids[:, tokens + i : tokens + i + 1], past_key_values=cache, use_cache=True)
-        native_subspace.coefficient_partial = lambda q, seg, valid: calls.append((q.clone(), seg, valid)) or real(
-            q, seg, valid)
+        def kept(q, seg, valid):
+            calls.append((q.clone(), seg, valid))
+            return real(q, seg, valid)
+
+        native_subspace.coefficient_partial = kept
         try:
             model(input_ids=ids[:, tokens + 10 : tokens + 11], past_key_values=cache, use_cache=True)
         finally:
@@ -77,7 +80,7 @@ def main() -> None:
     if not calls:
         raise SystemExit(f"no layer of {args.model} holds a subspace archive after {args.tokens} tokens")
     builds = {"vector": _Timed(native_subspace.library()),
-              "scalar": _Timed(native_subspace._compile(native_subspace.FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",)))}
+              "scalar": _Timed(native_subspace._compile(native_subspace.SCALAR_CODES_FLAGS))}
     real = native_subspace.library
     outs, times = {}, {name: [] for name in builds}
     try:

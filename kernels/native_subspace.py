@@ -32,6 +32,7 @@ from .segments import SubspaceSegment
 SOURCE = Path(__file__).with_name("native_subspace.c")
 MAX_DIM = 256
 MAX_ROWS = 16  # query rows per KV head the kernel takes (grouped heads x positions)
+SCALAR_CODES_FLAGS = FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",)  # codes read a subspace at a time (`_compile`)
 
 _build = LibraryBuild()
 _tables = threading.local()  # {id(rope): (rope, cos, sin)} of positions 0..: see `_angles`
@@ -45,8 +46,8 @@ def library() -> ctypes.CDLL | None:
 
 
 def _compile(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
-    """The kernel built with `flags` (`-DHF_KVCACHE_SCALAR_CODES` added: the build that reads codes a subspace at a
-    time, which the tests hold the vector reading to)."""
+    """The kernel built with `flags` (`SCALAR_CODES_FLAGS`: the build that reads codes a subspace at a time, which the
+    tests and `benchmarks/subspace_codes.py` hold the vector reading to)."""
     lib = compile_library(SOURCE, flags)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.subspace_rope_scores.restype = i

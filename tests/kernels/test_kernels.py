@@ -646,7 +646,7 @@ def test_the_subspace_kernel_reads_codes_alike_in_both_builds(d, full_8bit):
     q, seg, valid = _subspace_case(2, 320, 3, d, prerope=True, full_8bit=full_8bit)
     assert (seg.keys.codes.shape[-1] == 64) == full_8bit
     vector = native_subspace.coefficient_partial(q, seg, valid)
-    scalar_lib = native_subspace._compile(native_subspace.FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",))
+    scalar_lib = native_subspace._compile(native_subspace.SCALAR_CODES_FLAGS)
     real = native_subspace.library
     native_subspace.library = lambda: scalar_lib
     try:
