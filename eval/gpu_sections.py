@@ -139,6 +139,24 @@ def token_case(b: int, h: int, t: int, d: int, dtype: str, prerope: bool, seed: 
     return TokenSegment(codec.quantize_pre(pre), options.quantize(v), codec, positions)
 
 
+def subspace_case(b: int, h: int, t: int, d: int, prerope: bool, seed: int):
+    """A `SubspaceSegment` (CPU) of the tiered archive's shape: keys per channel in groups of 64 tokens (pre-RoPE when
+    `prerope`), values per token, four subspaces each of 2-4 bits, ranks below the head dim; and a full tail."""
+    from hf_kvcache.kernels.segments import FullSegment, SubspaceSegment
+    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
+    from hf_kvcache.rope import KeyRotation
+
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
+    v = torch.randn(b, h, t, d, generator=g)
+    rk, rv = d - d // 4, d - d // 2
+    keys = quantize_subspace_rows(k, fit_subspace(k, rank=rk), (4, 3, 2, 2), rk // 4, rank=rk, axis="channel")
+    values = quantize_subspace_rows(v, fit_subspace(v, rank=rv), (3, 2, 2, 2), rv // 4, rank=rv, axis="token")
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)) if prerope else None
+    tail = FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))
+    return SubspaceSegment(keys, values, rope, start=0), tail
+
+
 def _compare(query, segments, device: str, qdtype: torch.dtype, mask=None, mass: bool = False) -> dict:
     """decode_attention on `device` vs reference_attention on the CPU (fp32): max abs errors of output and mass."""
     from hf_kvcache.kernels.decode_attention import decode_attention, reference_attention
@@ -159,7 +177,7 @@ def correctness(device: str, opts, deadline: Deadline) -> list[dict]:
     dims = opts.head_dims if opts.dry_run else (128, 64, 256)
     t = 96 if opts.dry_run else 1000
     for i, d in enumerate(dims):  # every kernel at the first head dim before the others
-        for block in (_kivi_cases, _token_cases, _pack_cases):
+        for block in (_kivi_cases, _token_cases, _subspace_cases, _pack_cases):
             if deadline.passed():
                 rows.append(dict(case="(budget spent: the remaining cases were not run)"))
                 return rows
@@ -204,6 +222,27 @@ def _token_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> 
             q = torch.randn(2, 8, 1, d, generator=torch.Generator().manual_seed(seed))
             case = dict(case=f"tokens d={d} {dtype} prerope={prerope}", qdtype="bfloat16")
             rows.append(_run_case(case, lambda: _compare(q, [seg], device, torch.bfloat16)))
+    return rows
+
+
+def _subspace_cases(device: str, d: int, t: int, deadline: Deadline, seed: int) -> list[dict]:
+    """Subspace archives (`triton_subspace`; keys pre-RoPE or as they come) with a full tail at head dim `d`, a plain
+    decode and a left-padded batch."""
+    rows = []
+    for prerope in (True, False):
+        for masked in (False, True):
+            if deadline.passed():
+                return rows
+            seed += 1
+            tq = t - t % 64
+            seg, tail = subspace_case(2, 2, tq, d, prerope, seed)
+            q = torch.randn(2, 6, 1, d, generator=torch.Generator().manual_seed(seed))
+            mask = None
+            if masked:
+                mask = torch.ones(2, 1, 1, tq + tail.tokens, dtype=torch.bool)
+                mask[1, ..., : tq // 3] = False
+            case = dict(case=f"subspace d={d} prerope={prerope} mask={masked}", qdtype="bfloat16")
+            rows.append(_run_case(case, lambda: _compare(q, [seg, tail], device, torch.bfloat16, mask)))
     return rows
 
 

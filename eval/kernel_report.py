@@ -11,7 +11,8 @@ cubin with Triton's bundled `cuobjdump -res-usage` (a CompiledKernel only gets `
 it). Compiles run in worker processes with TRITON_INTERPRET removed from their environment (the interpreter does not
 compile), so the report also runs from a process where it is set (the tests).
 
-Variants (read off the launch sites, `kernels/triton_decode.py`, `kernels/triton_tokens.py` and `kernels/kivi_pack.py`):
+Variants (read off the launch sites, `kernels/triton_decode.py`, `kernels/triton_tokens.py`,
+`kernels/triton_subspace.py` and `kernels/kivi_pack.py`):
 - `_quant_attn_kernel`: one launch per quantized segment of every fused attention call on CUDA
   (`decode_attention` -> `quant_partial_triton`). D = head_dim; (K_BITS = V_BITS, K_GROUP) = (bits, group) of a tier:
   tiered archive (2, 64), tiered warm (4, 32), KIVI (2, 32), and the other widths the options allow;
@@ -26,6 +27,9 @@ Variants (read off the launch sites, `kernels/triton_decode.py`, `kernels/triton
   symmetric, keys pre-RoPE or as they come, HAS_VALID both ways, M_PAD = 16, DOT_F32 both ways (fp32 models / fp16
   and bf16 models), tiles and warps of `triton_tokens.token_launch` (64 tokens on 4 warps for fp16 dots at head dims
   up to 128, else 16 on 8).
+- `_subspace_attn_kernel`: a tiered archive coded in fitted bases (`triton_subspace.coefficient_partial`): full-rank
+  bases (KR = VR = D, the widest tiles), key groups of 64, keys pre-RoPE or as they come, HAS_VALID both ways,
+  M_PAD = 16, DOT_F32 both ways, tiles and warps of `triton_subspace.subspace_launch`.
 - `_keys_kernel` / `_values_kernel`: fused KIVI quantize + pack (`quant.kivi.kivi_key_codes` / `kivi_value_codes` on CUDA tensors), for
   x in fp16 and bf16; keys GROUP = tokens per group, values GROUP = min(group, D) channels, BLOCK_R = 16.
 Pointer arguments are compiled as 16-byte aligned and the integer arguments that are multiples of 16 at every real
@@ -412,7 +416,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bits", type=_csv(int), default=BITS, help="code widths (default 2,4,8)")
     p.add_argument("--groups", type=_csv(int), default=GROUPS, help="tokens per key group (default 32,64)")
     p.add_argument("--dtypes", type=_csv(str), default=DTYPES, help="input dtypes of the pack kernels (fp16,bf16)")
-    p.add_argument("--kernels", type=_csv(str), default=KERNELS, help="which kernels (default: all five)")
+    p.add_argument("--kernels", type=_csv(str), default=KERNELS, help="which kernels (default: all)")
     p.add_argument("--m-pad", type=_csv(int), default=(16,),
                    help="query rows per tile of the decode kernels (16: decode; more: multi-token queries, slow)")
     p.add_argument("--fp16-dot", action="store_true",

@@ -9,8 +9,8 @@ scores and outputs from the codes with the scales folded in, `block` tokens at a
 O(block), not O(cached tokens)). Per-token segments (`TokenSegment`, the uniform cache's codes) run in their Triton
 kernel on CUDA (`triton_tokens`), in the compiled CPU kernel (`native`) elsewhere where it serves, and are otherwise
 decoded into the full-precision partial (as is every one when the attention mass is asked for). Subspace segments (a
-tiered archive coded in fitted bases) run in the compiled CPU kernel (`native_subspace`) where it serves and in the
-torch path of `from_subspace` elsewhere. Every full-precision
+tiered archive coded in fitted bases) run in the Triton kernel (`triton_subspace`) on CUDA, the compiled CPU kernel
+(`native_subspace`) where it serves, and the torch path of `from_subspace` elsewhere. Every full-precision
 piece (tail, new tokens, overlays) makes one more partial. A one-position step over one per-token segment and its
 new tokens (the uniform caches' decode step) is a single native call that attends both; on CUDA a one-position step
 over full-precision pieces alone is torch's SDPA over them joined. Full-precision overlays
@@ -135,9 +135,12 @@ def decode_attention(
                 partials.append(part)
             else:
                 dense.append((FullSegment(*seg.dequantize(torch.float32)), start, cmask))
-        elif isinstance(seg, SubspaceSegment):  # the native kernel where it serves, else the torch path
+        elif isinstance(seg, SubspaceSegment):  # a kernel where one serves (Triton / native), else the torch path
             coeffs = None
-            if not (use_triton or use_native is False) and _one_key_mask(seg_mask):
+            if use_triton and _one_key_mask(seg_mask):
+                from .triton_subspace import coefficient_partial  # triton is imported where it is launched
+                coeffs = coefficient_partial(q, seg, key_valid, dot_f32)
+            elif use_native is not False and _one_key_mask(seg_mask):
                 coeffs = native_subspace.coefficient_partial(q, seg, key_valid)
             partials.append(subspace_partial(q, seg, seg_mask, block, coeffs))
             quant_spans.append((seg, start, stop, key_valid, seg_mask, q, False))

@@ -216,16 +216,18 @@ def sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def split_plan(q: torch.Tensor, n_tok: int, m_pad: int, block: int = BLOCK_T, waves: int = 2):
-    """(splits, tokens per split, the per-split outputs m, l `[B Hkv, splits, M_PAD]` and acc `[..., D]`) for a
-    launch over `n_tok` tokens: enough programs to fill the GPU `waves` times, whole tiles of `block` per split."""
+def split_plan(q: torch.Tensor, n_tok: int, m_pad: int, block: int = BLOCK_T, waves: int = 2,
+               width: int | None = None):
+    """(splits, tokens per split, the per-split outputs m, l `[B Hkv, splits, M_PAD]` and acc `[..., width]`, width
+    None: D) for a launch over `n_tok` tokens: enough programs to fill the GPU `waves` times, whole tiles of `block`
+    per split."""
     b, h, _, d = q.shape
     sms = sm_count(q.device.index or 0) if q.is_cuda else 4
     n_split = max(1, min(triton.cdiv(n_tok, block), triton.cdiv(waves * sms, b * h)))
     per_split = triton.cdiv(triton.cdiv(n_tok, n_split), block) * block
     n_split = triton.cdiv(n_tok, per_split)
     m_out = torch.empty(b * h, n_split, m_pad, device=q.device, dtype=torch.float32)
-    acc_out = torch.empty(b * h, n_split, m_pad, d, device=q.device, dtype=torch.float32)
+    acc_out = torch.empty(b * h, n_split, m_pad, width or d, device=q.device, dtype=torch.float32)
     return n_split, per_split, (m_out, torch.empty_like(m_out), acc_out)
 
 

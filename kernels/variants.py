@@ -2,7 +2,7 @@
 arguments compiled as multiples of 16, where it is launched), and how one is compiled for a GPU target without a GPU.
 
 Read off the launch sites (`triton_decode.py`, `triton_quant.py`, `triton_tokens.py`, `triton_step.py`,
-`kivi_pack.py`); the variants themselves are
+`triton_subspace.py`, `kivi_pack.py`); the variants themselves are
 described in `hf_kvcache.eval.kernel_report`. Two users: `compile_check` (does every variant compile?) and
 `eval.kernel_report` (registers, spills, shared memory and occupancy of each).
 """
@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 
 from .triton_quant import rows_launch
+from .triton_subspace import subspace_launch
 from .triton_tokens import token_launch
 
 ARCH = 90  # the CUDA target compiled for without a GPU: Hopper (sm_90)
@@ -26,7 +27,7 @@ BITS = (2, 4, 8)
 GROUPS = (32, 64)  # tokens per key group: 32 = tiered warm tier and KIVI, 64 = tiered archive
 DTYPES = ("fp16", "bf16")
 KERNELS = ("_quant_attn_rows_kernel", "_quant_attn_kernel", "_quant_mass_kernel", "_token_attn_kernel", "_keys_kernel",
-           "_values_kernel", "_step_kernel")
+           "_values_kernel", "_step_kernel", "_subspace_attn_kernel")
 # the uniform caches' per-token formats the token kernel reads: (bits, channels per scale (None: the head), zeros)
 TOKEN_FORMATS = ((4, 32, False), (8, None, False))
 TIER_OF = {(2, 64): "tiered archive", (4, 32): "tiered warm", (2, 32): "KIVI-2"}
@@ -148,6 +149,33 @@ def token_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
     return out
 
 
+def subspace_variants(head_dims=HEAD_DIMS, kernels=KERNELS) -> list[Variant]:
+    """`_subspace_attn_kernel` (`decode_attention` -> `triton_subspace.coefficient_partial`, a tiered archive coded
+    in fitted bases on CUDA): full-rank bases (the widest tiles: ranks padded to D), the archive's key groups of 64,
+    keys pre-RoPE (the tiered default) or as they come, with and without a validity mask, fp16 operand dots and fp32
+    dots, M_PAD 16, tiles and warps of `triton_subspace.subspace_launch`."""
+    if "_subspace_attn_kernel" not in kernels:
+        return []
+    out = []
+    for d in head_dims:
+        for prerope in (True, False):
+            for has_valid in (False, True):
+                for dot_f32 in (False, True):
+                    sig = dict(q_ptr=P32, kc_ptr=P8, ks_ptr=P16, kz_ptr=P16, w_ptr=P32, mean_ptr=P32, freq_ptr=P32,
+                               vc_ptr=P8, vs_ptr=P32, kdir_ptr="*i32", vdir_ptr="*i32",
+                               valid_ptr=I8 if has_valid else P32, m_ptr=P32, l_ptr=P32, acc_ptr=P32, n_tok=I32,
+                               kv_heads=I32, tokens_per_split=I32, k_row=I32, v_row=I32, k_rank=I32, v_sub=I32,
+                               start=I32, rope_scaling="fp32")
+                    block, channels, warps = subspace_launch(d, dot_f32)
+                    c = dict(HAS_VALID=has_valid, PREROPE=prerope, M_PAD=16, D=d, KR=d, VR=d, BLOCK=block,
+                             CH=channels, K_GROUP=64, DOT_F32=dot_f32, FAST_TRIG=True)
+                    use = (f"subspace archive, keys {'pre-RoPE' if prerope else 'as they come'}, decode, "
+                           f"{'fp32 model' if dot_f32 else 'fp16/bf16 model'}")
+                    out.append(Variant("triton_subspace", "_subspace_attn_kernel", tuple(sig.items()),
+                                       tuple(c.items()), _ptrs(sig) + ("tokens_per_split",), use, num_warps=warps))
+    return out
+
+
 # what `triton_step` merges in the launches the caches make: (use, partial sets as their m-row strides (None: the
 # row kernel's D + 2; 1: the token kernel's), values rotated, full-precision pieces)
 STEP_SHAPES = (("uniform int4 / int8 step", (1,), False, 1), ("tiered step (archive, warm, tail, sinks, new)",
@@ -210,7 +238,7 @@ def all_variants(head_dims=HEAD_DIMS, bits=BITS, groups=GROUPS, dtypes=DTYPES, m
     return (rows_variants(head_dims, bits, groups, kernels) + decode_variants(head_dims, bits, groups, m_pads, fp16_dot,
                                                                                kernels)
             + token_variants(head_dims, kernels) + step_variants(head_dims, kernels)
-            + pack_variants(head_dims, bits, groups, dtypes, kernels))
+            + pack_variants(head_dims, bits, groups, dtypes, kernels) + subspace_variants(head_dims, kernels))
 
 
 def quick_variants() -> list[Variant]:
@@ -221,8 +249,9 @@ def quick_variants() -> list[Variant]:
     tokens = token_variants(head_dims=(64,))
     rows = [v for v in rows_variants(head_dims=(64,), bits=(2,), groups=(64,)) if v.params["HAS_VALID"]][:1]
     step = [v for v in step_variants(head_dims=(64,)) if v.params["HAS_ROT"]]
+    subspace = subspace_variants(head_dims=(64,))[:1]
     return (rows + [v for v in dec if v.params["HAS_VALID"]] + [v for v in tokens if v.params["HAS_VALID"]][:1] + step
-            + pack)
+            + pack + subspace)
 
 
 def compile_kernel(v: Variant, arch: int = ARCH):

@@ -41,3 +41,30 @@ def token_segment(b, h, t, d, dtype="int4", group_size=None, symmetric=None, pre
     pre = codec.derotate(k, positions)
     codec.fit(pre)
     return TokenSegment(codec.quantize_pre(pre), options.quantize(v), codec, positions)
+
+
+def subspace_case(b: int, t: int, rows: int, d: int, prerope: bool, full_8bit: bool = False):
+    """(queries [b, 2, rows, d], a `SubspaceSegment` of t tokens, key_valid [b, t]): keys and values in eight
+    subspaces each, of odd and even sizes (codes ending inside a packed word) and every width 1-8, ranks below the
+    head dim, the second row left-padded over whole chunks and part of a key group. `full_8bit`: instead every
+    direction kept at 8 bits (rows of d bytes)."""
+    from hf_kvcache.kernels.segments import SubspaceSegment
+    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
+    from hf_kvcache.rope import KeyRotation
+
+    g, h = torch.Generator().manual_seed(11), 2
+    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
+    v = torch.randn(b, h, t, d, generator=g)
+    if full_8bit:
+        keys = quantize_subspace_rows(k, fit_subspace(k, rank=d), 8, d // 8, rank=d, axis="channel", token_group=64)
+        values = quantize_subspace_rows(v, fit_subspace(v, rank=d), 8, d // 8, rank=d, axis="token")
+    else:
+        keys = quantize_subspace_rows(k, fit_subspace(k, rank=d - 8), (8, 5, 4, 3, 2, 1, 6, 7), d // 8 - 1,
+                                      rank=d - 8, axis="channel", token_group=64)
+        values = quantize_subspace_rows(v, fit_subspace(v, rank=d - 16), (1, 2, 3, 4, 5, 6, 7, 2), d // 8 - 2,
+                                        rank=d - 16, axis="token")
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 1.25) if prerope else None
+    q = torch.randn(b, h, rows, d, generator=g) / d**0.5
+    valid = torch.ones(b, t, dtype=torch.bool)
+    valid[1, :150] = False
+    return q, SubspaceSegment(keys, values, rope, start=37), valid

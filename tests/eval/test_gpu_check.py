@@ -27,7 +27,7 @@ def test_sections_run_on_the_cpu_and_write_json_and_markdown(tmp_path):
     saved = json.loads((tmp_path / "gpu_check.json").read_text())
     assert saved.keys() == data.keys() and {"environment", "bandwidth", "correctness", "decode", "generate"} <= set(saved)
     cases = data["correctness"]
-    assert {r["case"].split()[0] for r in cases} == {"kivi", "tokens", "pack"}
+    assert {r["case"].split()[0] for r in cases} == {"kivi", "tokens", "subspace", "pack"}
     assert all(r["ok"] for r in cases), [r for r in cases if not r["ok"]]
     caches = {r["cache"].split(" (")[0] for r in data["decode"]}
     assert caches == {"sdpa bf16", "tiered", "int4", "int8", "kivi"}

@@ -13,7 +13,7 @@ from hf_kvcache.kernels.decode_attention import decode_attention, reference_atte
 from hf_kvcache.kernels.kivi_pack import kivi_keys_triton, kivi_values_triton
 from hf_kvcache.kernels.segments import FullSegment, QuantSegment
 from hf_kvcache.quant.kivi import kivi_key_codes, kivi_value_codes
-from random_kv import token_segment
+from random_kv import subspace_case, token_segment
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/conftest.py must set TRITON_INTERPRET before triton loads"
 
@@ -123,7 +123,7 @@ def test_kernels_compile_for_hopper():
         env=env, capture_output=True, text=True, timeout=900,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "compiled 13 kernel variants for sm_90" in proc.stdout
+    assert "compiled 14 kernel variants for sm_90" in proc.stdout
 
 
 @each_path
@@ -580,33 +580,6 @@ def test_native_step_with_a_subspace_archive(warm, pads):
     torch.testing.assert_close(out, ref, atol=4e-6, rtol=1e-5)
 
 
-def _subspace_case(b: int, t: int, rows: int, d: int, prerope: bool, full_8bit: bool = False):
-    """(queries [b, 2, rows, d], a `SubspaceSegment` of t tokens, key_valid [b, t]): keys and values in eight
-    subspaces each, of odd and even sizes (codes ending inside a packed word) and every width 1-8, ranks below the
-    head dim, the second row left-padded over whole chunks and part of a key group. `full_8bit`: instead every
-    direction kept at 8 bits (rows of d bytes)."""
-    from hf_kvcache.kernels.segments import SubspaceSegment
-    from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
-    from hf_kvcache.rope import KeyRotation
-
-    g, h = torch.Generator().manual_seed(11), 2
-    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
-    v = torch.randn(b, h, t, d, generator=g)
-    if full_8bit:
-        keys = quantize_subspace_rows(k, fit_subspace(k, rank=d), 8, d // 8, rank=d, axis="channel", token_group=64)
-        values = quantize_subspace_rows(v, fit_subspace(v, rank=d), 8, d // 8, rank=d, axis="token")
-    else:
-        keys = quantize_subspace_rows(k, fit_subspace(k, rank=d - 8), (8, 5, 4, 3, 2, 1, 6, 7), d // 8 - 1,
-                                      rank=d - 8, axis="channel", token_group=64)
-        values = quantize_subspace_rows(v, fit_subspace(v, rank=d - 16), (1, 2, 3, 4, 5, 6, 7, 2), d // 8 - 2,
-                                        rank=d - 16, axis="token")
-    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d), 1.25) if prerope else None
-    q = torch.randn(b, h, rows, d, generator=g) / d**0.5
-    valid = torch.ones(b, t, dtype=torch.bool)
-    valid[1, :150] = False
-    return q, SubspaceSegment(keys, values, rope, start=37), valid
-
-
 @pytest.mark.parametrize("prerope", [True, False], ids=["pre-rope", "post-rope"])
 @pytest.mark.parametrize("threads,rows,d", [(1, 3, 64), (2, 7, 128), (2, 1, 256)])
 def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, d):
@@ -618,7 +591,7 @@ def test_native_subspace_partial_against_the_torch_path(prerope, threads, rows, 
     if native_subspace.library() is None:
         pytest.skip("no C compiler: the native kernel is unavailable (the torch path serves)")
     b, t = 2, 2304 if threads > 1 else 320
-    q, seg, valid = _subspace_case(b, t, rows, d, prerope)
+    q, seg, valid = subspace_case(b, t, rows, d, prerope)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -643,7 +616,7 @@ def test_the_subspace_kernel_reads_codes_alike_in_both_builds(d, full_8bit):
 
     if native_subspace.library() is None:
         pytest.skip("no C compiler: the native kernel is unavailable (the torch path serves)")
-    q, seg, valid = _subspace_case(2, 320, 3, d, prerope=True, full_8bit=full_8bit)
+    q, seg, valid = subspace_case(2, 320, 3, d, prerope=True, full_8bit=full_8bit)
     assert (seg.keys.codes.shape[-1] == 64) == full_8bit
     vector = native_subspace.coefficient_partial(q, seg, valid)
     scalar_lib = native_subspace._compile(native_subspace.SCALAR_CODES_FLAGS)
