@@ -10,7 +10,8 @@ Sections, in order, each bounded by a share of `--budget-s`:
                64 / 128 / 256, GQA 1 / 4 / 8, with and without a key mask, the attention mass), per-token segments
                (int4 / int8, keys as they come or pre-RoPE), the KIVI pack kernels against the torch quantizer
   decode       decode attention (one query position) of the tiered / int4 / int8 / KIVI caches, filled with random
-               bf16 keys and values in 4K-token chunks, against SDPA over the bf16 cache (flash backend where it takes
+               bf16 keys and values in 4K-token chunks, and of a subspace archive (the tiered archive in fitted bases,
+               pre-RoPE keys, built from random keys and values: no cache chooses it without queries), against SDPA over the bf16 cache (flash backend where it takes
                the shape): 4K / 32K / 128K tokens, batch 1 and 8, head dims 64 and 128, 8 KV heads x 4 query heads
                each; milliseconds (median of CUDA-event timings), bytes read, GB/s and its share of the copy bandwidth
   sweep        the KIVI-layout decode kernel's launch knobs (tokens per tile, warps, fp16 dots, programs per SM) at 32K
@@ -48,7 +49,7 @@ class CheckOptions:
     lengths: tuple[int, ...] = (32768, 4096, 131072)  # 32K first: the target
     batches: tuple[int, ...] = (1, 8)
     head_dims: tuple[int, ...] = (128, 64)
-    caches: tuple[str, ...] = ("tiered", "int4", "int8", "kivi")
+    caches: tuple[str, ...] = ("tiered", "int4", "int8", "kivi", "subspace archive")
     kv_heads: int = 8
     group: int = 4
     iters: int = 20

@@ -139,21 +139,23 @@ def token_case(b: int, h: int, t: int, d: int, dtype: str, prerope: bool, seed: 
     return TokenSegment(codec.quantize_pre(pre), options.quantize(v), codec, positions)
 
 
-def subspace_case(b: int, h: int, t: int, d: int, prerope: bool, seed: int):
-    """A `SubspaceSegment` (CPU) of the tiered archive's shape: keys per channel in groups of 64 tokens (pre-RoPE when
-    `prerope`), values per token, four subspaces each of 2-4 bits, ranks below the head dim; and a full tail."""
+def subspace_case(b: int, h: int, t: int, d: int, prerope: bool, seed: int, device: str = "cpu"):
+    """A `SubspaceSegment` (on `device`) of the tiered archive's shape: keys per channel in groups of 64 tokens
+    (pre-RoPE when `prerope`), values per token, four subspaces each of 2-4 bits, ranks below the head dim; and a full
+    tail."""
     from hf_kvcache.kernels.segments import FullSegment, SubspaceSegment
     from hf_kvcache.quant.subspace import fit_subspace, quantize_subspace_rows
     from hf_kvcache.rope import KeyRotation
 
-    g = torch.Generator().manual_seed(seed)
-    k = torch.randn(b, h, t, d, generator=g) * torch.linspace(0.2, 3.0, d)
-    v = torch.randn(b, h, t, d, generator=g)
+    g = torch.Generator(device=device).manual_seed(seed)
+    k = torch.randn(b, h, t, d, generator=g, device=device) * torch.linspace(0.2, 3.0, d, device=device)
+    v = torch.randn(b, h, t, d, generator=g, device=device)
     rk, rv = d - d // 4, d - d // 2
     keys = quantize_subspace_rows(k, fit_subspace(k, rank=rk), (4, 3, 2, 2), rk // 4, rank=rk, axis="channel")
     values = quantize_subspace_rows(v, fit_subspace(v, rank=rv), (3, 2, 2, 2), rv // 4, rank=rv, axis="token")
-    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d)) if prerope else None
-    tail = FullSegment(torch.randn(b, h, 5, d, generator=g), torch.randn(b, h, 5, d, generator=g))
+    rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2, device=device).float() / d)) if prerope else None
+    tail = FullSegment(torch.randn(b, h, 5, d, generator=g, device=device),
+                       torch.randn(b, h, 5, d, generator=g, device=device))
     return SubspaceSegment(keys, values, rope, start=0), tail
 
 
@@ -334,6 +336,9 @@ def fill_cache(name: str, k: torch.Tensor, v: torch.Tensor, chunk: int = 4096):
     return cache, cache.layers[0]
 
 
+SUBSPACE_ARCHIVE = "subspace archive"  # a row of `decode_timing` timed on a segment built here, not on a cache
+
+
 def decode_timing(device: str, opts, deadline: Deadline, copy_gbps: float | None) -> list[dict]:
     from hf_kvcache.kernels.decode_attention import decode_attention
     from hf_kvcache.kernels.segments import FullSegment
@@ -369,8 +374,14 @@ def decode_timing(device: str, opts, deadline: Deadline, copy_gbps: float | None
                     if deadline.passed():
                         break
                     try:
-                        cache, layer = fill_cache(name, k, v)
-                        segments = [*layer.attention_segments(), FullSegment(new_k, new_v)]
+                        if name == SUBSPACE_ARCHIVE:  # the tiered archive in fitted bases, pre-RoPE keys (no cache)
+                            cache = layer = None
+                            archive, _ = subspace_case(batch, opts.kv_heads, tokens - tokens % 64, d, True, tokens,
+                                                       device)
+                            segments = [archive, FullSegment(new_k, new_v)]
+                        else:
+                            cache, layer = fill_cache(name, k, v)
+                            segments = [*layer.attention_segments(), FullSegment(new_k, new_v)]
                         call = lambda q=q, segments=segments: decode_attention(q, segments)  # noqa: E731
                         ms = time_ms(call, opts.iters, device)
                         nbytes = segment_bytes(segments)
@@ -402,10 +413,10 @@ def _share(nbytes: int, ms: float, copy_gbps: float | None) -> float | None:
 
 
 def _describe(seg) -> str:
-    from hf_kvcache.kernels.segments import FullSegment, QuantSegment
+    from hf_kvcache.kernels.segments import FullSegment, QuantSegment, SubspaceSegment
 
-    if isinstance(seg, QuantSegment):
-        return f"kivi{seg.k_bits}/{seg.k_group}x{seg.tokens}"
+    if isinstance(seg, (QuantSegment, SubspaceSegment)):
+        return (f"kivi{seg.k_bits}/{seg.k_group}" if isinstance(seg, QuantSegment) else "subspace") + f"x{seg.tokens}"
     if isinstance(seg, FullSegment):
         return f"full{'@' + str(seg.overlay_at) if seg.overlay_at is not None else ''}x{seg.tokens}"
     return f"tok{seg.keys.bits}{'pre' if seg.key_codec is not None else ''}x{seg.tokens}"

@@ -211,17 +211,17 @@ def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dt
     `triton_step` merges them with the full-precision pieces in one launch. Output `[B, Hkv, group, D]` in
     `out_dtype`, or None where this path does not serve (more segments or pieces than one launch takes, value
     rotations that differ, a shape no kernel serves)."""
-    from . import triton_quant, triton_step
+    from . import triton_quant, triton_step, triton_subspace
     from .triton_tokens import supports_tokens, token_partial_triton
 
     quant = [s for s in segments if not isinstance(s, FullSegment)]
     pieces = [s for s in [*segments, *overlays] if isinstance(s, FullSegment) and s.tokens]
-    if any(isinstance(s, SubspaceSegment) for s in quant):  # no Triton kernel reads a subspace archive
-        return None
     if len(quant) > triton_step.MAX_SETS or len(pieces) > triton_step.MAX_PIECES:
         return None
-    rotations = {id(getattr(s, "v_rotation", None)) for s in quant}
-    v_rotation = getattr(quant[0], "v_rotation", None) if quant else None
+    # a subspace archive's partial comes to the model's basis, then to the other segments' value rotation
+    coded = [s for s in quant if not isinstance(s, SubspaceSegment)]
+    rotations = {id(getattr(s, "v_rotation", None)) for s in coded}
+    v_rotation = getattr(coded[0], "v_rotation", None) if coded else None
     unread_rotation = v_rotation is not None and (q.shape[-1] > triton_step.MAX_ROTATED_DIM
                                                   or native_step.value_rotation_matrix(v_rotation, q.shape[-1]) is None)
     if len(rotations) > 1 or unread_rotation or any(p.keys.stride(-1) != 1 or p.values.stride(-1) != 1 for p in pieces):
@@ -240,6 +240,10 @@ def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dt
             if not triton_quant.supports(q_seg, seg):
                 return None
             launches.append((seg, q_seg, start, stop))
+        elif isinstance(seg, SubspaceSegment):
+            if not triton_subspace.serves(q, seg):
+                return None
+            launches.append((seg, q, start, stop))
         start = stop
     sets = []
     for seg, q_seg, start, stop in launches:
@@ -247,6 +251,8 @@ def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dt
         key_valid = None if hidden is None else (~hidden).view(1, -1).expand(q.shape[0], -1)
         if isinstance(seg, TokenSegment):
             sets.append(token_partial_triton(q_seg, seg, key_valid, dot_f32=dot_f32, merged=False))
+        elif isinstance(seg, SubspaceSegment):
+            sets.append(triton_subspace.split_partials_in_basis(q_seg, seg, key_valid, dot_f32, v_rotation))
         else:
             sets.append(triton_quant.quant_partial_rows(q_seg, seg, key_valid, dot_f32=dot_f32, merged=False))
     return triton_step.step_attention(q, sets, [(p.keys, p.values) for p in pieces], v_rotation, out_dtype)

@@ -147,7 +147,8 @@ def _padded(n: int) -> int:
 
 
 def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None,
-                        dot_f32: bool | None = None, block: int | None = None, num_warps: int | None = None):
+                        dot_f32: bool | None = None, block: int | None = None, num_warps: int | None = None,
+                        merged: bool = True):
     """(row max [B, H, M], row sum [B, H, M], `[B, H, M, rank]` = the unnormalized probabilities times the values'
     whitened coefficients) of grouped, scaled queries `q` [B, H, M, D] over `seg`, as
     `native_subspace.coefficient_partial`; None where `serves` says no.
@@ -156,6 +157,8 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
         key_valid: `[B, T]` bool (False: the key is masked for every row) or None.
         dot_f32: IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under the
             interpreter). block, num_warps: tokens per tile and warps per program (None: the defaults above).
+        merged: False returns the per-split partials (m, l `[B*H, S, M_PAD]`, the coefficients `[..., VR]`, VR the
+            rank padded to a power of two >= 16, zero past the rank).
     """
     if not serves(q, seg):
         return None
@@ -184,5 +187,31 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
         HAS_VALID=key_valid is not None, PREROPE=seg.rope is not None, M_PAD=m_pad, D=d, KR=kr, VR=vr,
         BLOCK=block, CH=channels, K_GROUP=k.token_group, DOT_F32=dot_f32, FAST_TRIG=not interpreting(), num_warps=num_warps,
     )
+    if not merged:
+        return m_out, l_out, acc_out
     mx, total, acc = merge_splits(m_out, l_out, acc_out, (b, h, m, vr))
     return mx, total, acc[..., : v.rank]
+
+
+def split_partials_in_basis(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None, dot_f32: bool,
+                            v_rotation=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """The kernel's per-split partials with each split's output taken to the model's basis (the coefficients times
+    sigma and the basis, plus the row sum times the mean) and then to `v_rotation`'s (`x @ R`: the basis of the
+    segments it is merged with), as `triton_step.step_attention` takes a partial set: m, l `[B*H, S, M_PAD]`, acc
+    `[B*H, S, M_PAD, D]`; None where `serves` says no."""
+    from hf_kvcache.quant.rotation import rotate
+
+    part = coefficient_partial(q, seg, key_valid, dot_f32, merged=False)
+    if part is None:
+        return None
+    m_out, l_out, coeff = part
+    b, h, _, d = q.shape
+    v = seg.values
+    basis = v.basis.basis[:, :, : v.rank].float()  # [H, D, r]
+    sigma = v.basis.sigma[:, : v.rank].float()
+    coeff = coeff[..., : v.rank].reshape(b, h, *coeff.shape[1:3], v.rank) * sigma[None, :, None, None, :]
+    acc = torch.einsum("bhsmr,hdr->bhsmd", coeff, basis)
+    acc = acc + l_out.view(b, h, *l_out.shape[1:], 1) * v.basis.mean.float()[None, :, None, None, :]
+    if v_rotation is not None:
+        acc = rotate(acc, v_rotation)
+    return m_out, l_out, acc.reshape(b * h, *acc.shape[2:]).contiguous()

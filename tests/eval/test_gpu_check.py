@@ -30,7 +30,7 @@ def test_sections_run_on_the_cpu_and_write_json_and_markdown(tmp_path):
     assert {r["case"].split()[0] for r in cases} == {"kivi", "tokens", "subspace", "pack"}
     assert all(r["ok"] for r in cases), [r for r in cases if not r["ok"]]
     caches = {r["cache"].split(" (")[0] for r in data["decode"]}
-    assert caches == {"sdpa bf16", "tiered", "int4", "int8", "kivi"}
+    assert caches == {"sdpa bf16", "tiered", "int4", "int8", "kivi", "subspace archive"}
     assert all(r["ms"] > 0 and r["bytes"] > 0 for r in data["decode"])
     assert [r["cache"] for r in data["generate"]] == ["dynamic", "int4"]
     assert all(r["new_tokens"] == 3 and r["decode_tok_s"] > 0 for r in data["generate"])
@@ -42,7 +42,7 @@ def test_chosen_sections_run_alone_and_an_unknown_one_is_refused(tmp_path):
     opts = dataclasses.replace(gpu_check.CheckOptions.dry(tmp_path), sections=("environment", "decode"))
     data = gpu_check.run(opts)
     assert {k for k in data if not k.endswith("_seconds")} == {"environment", "decode"}
-    assert {r["cache"].split(" (")[0] for r in data["decode"]} == {"sdpa bf16", "tiered", "int4", "int8", "kivi"}
+    assert {r["cache"].split(" (")[0] for r in data["decode"]} == {"sdpa bf16", "tiered", "int4", "int8", "kivi", "subspace archive"}
     with pytest.raises(ValueError, match="choose among"):
         gpu_check.run(dataclasses.replace(opts, sections=("decode", "graphs")))
 

@@ -62,3 +62,36 @@ def test_decode_attention_reads_a_subspace_archive_with_the_triton_kernel(dtype,
     assert calls == [1] and got.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rotated", [False, True], ids=["no-rotation", "hadamard-values"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tiered_step_over_a_subspace_archive_is_one_step_launch(rotated, dtype, monkeypatch):
+    """The tiered layer's step on CUDA (`use_triton=True`, one position, no mask): a subspace archive, a KIVI warm tier
+    whose values may sit in a Hadamard basis, the sinks written over the archive's first columns and a full tail go
+    through `triton_step`'s one launch (the archive's split partials taken to the warm tier's basis) and give the
+    dequantize-then-softmax reference's output."""
+    from hf_kvcache.eval.gpu_sections import kivi_case
+    from hf_kvcache.kernels import triton_step
+    from hf_kvcache.kernels.decode_attention import reference_attention
+    from hf_kvcache.quant.rotation import hadamard_rotation
+    from test_triton_step import rotated_segment
+
+    _, archive, _ = subspace_case(2, 256, 1, 64, True)
+    if rotated:
+        warm = rotated_segment(2, 2, 64, 64, 4, 4, 32, 32, hadamard_rotation(64, 1, torch.device("cpu")), 5)
+    else:
+        warm, _ = kivi_case(2, 2, 64, 64, 4, 32, 5)
+    g = torch.Generator().manual_seed(7)
+    sinks = FullSegment(torch.randn(2, 2, 4, 64, generator=g), torch.randn(2, 2, 4, 64, generator=g), 0)
+    tail = FullSegment(torch.randn(2, 2, 9, 64, generator=g), torch.randn(2, 2, 9, 64, generator=g))
+    segments = [archive, warm, sinks, tail]
+    query = torch.randn(2, 6, 1, 64, generator=g).to(dtype)
+    calls = []
+    real = triton_step.step_attention
+    monkeypatch.setattr(triton_step, "step_attention", lambda *a, **k: calls.append(1) or real(*a, **k))
+    got, _ = decode_attention(query, segments, use_triton=True)
+    want, _ = reference_attention(query.float(), segments)
+    assert calls == [1] and got.dtype == dtype
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
