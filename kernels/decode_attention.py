@@ -207,8 +207,9 @@ def _dense_step_sdpa(query: torch.Tensor, segments: list[FullSegment], scaling: 
 
 
 def _step_triton(q, segments: list[Segment], overlays: list[FullSegment], out_dtype: torch.dtype, dot_f32: bool):
-    """A one-position step without a mask on CUDA: each quantized segment's kernel leaves its split partials, and
-    `triton_step` merges them with the full-precision pieces in one launch. Output `[B, Hkv, group, D]` in
+    """A one-position step without a mask on CUDA: each quantized segment's kernel leaves its split partials (a
+    subspace archive's taken to the other segments' value basis), and `triton_step` merges them with the
+    full-precision pieces in one launch. Output `[B, Hkv, group, D]` in
     `out_dtype`, or None where this path does not serve (more segments or pieces than one launch takes, value
     rotations that differ, a shape no kernel serves)."""
     from . import triton_quant, triton_step, triton_subspace
