@@ -43,10 +43,10 @@ def subspace_launch(head_dim: int, dot_f32: bool) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _directions(bounds: tuple, bits: tuple, padded: int) -> torch.Tensor:
-    """int32 `[5, padded]` (CPU): per direction of a layout its byte in a token's row, bit shift in that byte and
-    code mask, its subspace and (value codes) its subspace's middle code times 2; zeros past the rank (a zero mask
-    reads code 0)."""
+def _directions(bounds: tuple, bits: tuple, padded: int, device: str) -> torch.Tensor:
+    """int32 `[5, padded]` on `device` (made once per layout and device: no host copy in a step): per direction of a
+    layout its byte in a token's row, bit shift in that byte and code mask, its subspace and (value codes) its
+    subspace's middle code times 2; zeros past the rank (a zero mask reads code 0)."""
     table = torch.zeros(5, padded, dtype=torch.int32)
     byte = 0
     for s, ((lo, hi), width) in enumerate(zip(bounds, bits)):
@@ -54,7 +54,13 @@ def _directions(bounds: tuple, bits: tuple, padded: int) -> torch.Tensor:
             bit = 8 * byte + width * (j - lo)
             table[:, j] = torch.tensor([bit >> 3, bit & 7, (1 << width) - 1, s, 2**width - 1])
         byte += packed_length(hi - lo, width)
-    return table
+    return table.to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _value_steps(bits: tuple, device: str) -> torch.Tensor:
+    """float32 `[subspaces]` on `device`: the step of each value subspace's width (`native_subspace.value_levels`)."""
+    return native_subspace.value_levels(bits)[0].to(device)
 
 
 @triton.jit
@@ -168,10 +174,9 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     dev = q.device
     w, mean = native_subspace.basis_weights(k)
     w = torch.nn.functional.pad(w, (0, 0, 0, kr - k.rank)).to(dev).contiguous()  # [H, KR, D]
-    kdir = _directions(tuple(k.bounds), tuple(k.bits), kr).to(dev)
-    vdir = _directions(tuple(v.bounds), tuple(v.bits), vr).to(dev)
-    steps, _ = native_subspace.value_levels(tuple(v.bits))
-    vscale = (v.scale.float() * steps.to(dev)).contiguous()
+    kdir = _directions(tuple(k.bounds), tuple(k.bits), kr, str(dev))
+    vdir = _directions(tuple(v.bounds), tuple(v.bits), vr, str(dev))
+    vscale = (v.scale.float() * _value_steps(tuple(v.bits), str(dev))).contiguous()
     freq = seg.rope.inv_freq.to(dev, torch.float32).contiguous() if seg.rope is not None else mean
     qp, m_pad = padded_rows(q)
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else qp
