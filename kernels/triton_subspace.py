@@ -154,7 +154,7 @@ def _padded(n: int) -> int:
 
 def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None,
                         dot_f32: bool | None = None, block: int | None = None, num_warps: int | None = None,
-                        merged: bool = True):
+                        merged: bool = True, channels: int | None = None):
     """(row max [B, H, M], row sum [B, H, M], `[B, H, M, rank]` = the unnormalized probabilities times the values'
     whitened coefficients) of grouped, scaled queries `q` [B, H, M, D] over `seg`, as
     `native_subspace.coefficient_partial`; None where `serves` says no.
@@ -162,7 +162,8 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     Args:
         key_valid: `[B, T]` bool (False: the key is masked for every row) or None.
         dot_f32: IEEE fp32 dots, or fp16 operands with fp32 accumulation (None: fp32 for fp32 queries and under the
-            interpreter). block, num_warps: tokens per tile and warps per program (None: the defaults above).
+            interpreter). block, num_warps, channels: tokens per tile, warps per program and channel pairs per
+            rebuild step (None: `subspace_launch`'s; the knobs `benchmarks/gpu/sweep_subspace.py` sweeps).
         merged: False returns the per-split partials (m, l `[B*H, S, M_PAD]`, the coefficients `[..., VR]`, VR the
             rank padded to a power of two >= 16, zero past the rank).
     """
@@ -181,8 +182,8 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     qp, m_pad = padded_rows(q)
     valid = key_valid.to(torch.int8).contiguous() if key_valid is not None else qp
     dot_f32 = interpreting() or (q.dtype == torch.float32 if dot_f32 is None else dot_f32)
-    default_block, channels, default_warps = subspace_launch(d, dot_f32)
-    block, num_warps = block or default_block, num_warps or default_warps
+    default_block, default_channels, default_warps = subspace_launch(d, dot_f32)
+    block, num_warps, channels = block or default_block, num_warps or default_warps, channels or default_channels
     n_split, per_split, (m_out, l_out, acc_out) = split_plan(q, n_tok, m_pad, block, SUB_WAVES, width=vr)
     _subspace_attn_kernel[(b * h, n_split)](
         qp, k.codes.contiguous(), k.scale.contiguous(), k.zero.contiguous(), w, mean.to(dev), freq,
