@@ -8,12 +8,14 @@ Sections, in order, each bounded by a share of `--budget-s`:
   correctness  every Triton kernel the library launches against its torch reference (the same codes, dequantized, and
                softmax attention in fp32 on the CPU): KIVI-layout segments (2 / 4 / 8 bits, groups 32 / 64, head dims
                64 / 128 / 256, GQA 1 / 4 / 8, with and without a key mask, the attention mass), per-token segments
-               (int4 / int8, keys as they come or pre-RoPE), the KIVI pack kernels against the torch quantizer
+               (int4 / int8, keys as they come or pre-RoPE), subspace archives (keys pre-RoPE or as they come, with
+               and without a key mask), the KIVI pack kernels against the torch quantizer
   decode       decode attention (one query position) of the tiered / int4 / int8 / KIVI caches, filled with random
                bf16 keys and values in 4K-token chunks, and of a subspace archive (the tiered archive in fitted bases,
-               pre-RoPE keys, built from random keys and values: no cache chooses it without queries), against SDPA over the bf16 cache (flash backend where it takes
-               the shape): 4K / 32K / 128K tokens, batch 1 and 8, head dims 64 and 128, 8 KV heads x 4 query heads
-               each; milliseconds (median of CUDA-event timings), bytes read, GB/s and its share of the copy bandwidth
+               pre-RoPE keys, built from random keys and values: no cache chooses it without queries), against SDPA
+               over the bf16 cache (flash backend where it takes the shape): 4K / 32K / 128K tokens, batch 1 and 8,
+               head dims 64 and 128, 8 KV heads x 4 query heads each; milliseconds (median of CUDA-event timings),
+               bytes read, GB/s and its share of the copy bandwidth
   sweep        the KIVI-layout decode kernel's launch knobs (tokens per tile, warps, fp16 dots, programs per SM) at 32K
   generate     `generate` tokens/s in bf16 with a random-weight model of a zoo architecture (speed does not depend on
                the weights' values) and a long random prompt, per cache, prefill and decode timed apart

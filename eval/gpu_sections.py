@@ -154,8 +154,7 @@ def subspace_case(b: int, h: int, t: int, d: int, prerope: bool, seed: int, devi
     keys = quantize_subspace_rows(k, fit_subspace(k, rank=rk), (4, 3, 2, 2), rk // 4, rank=rk, axis="channel")
     values = quantize_subspace_rows(v, fit_subspace(v, rank=rv), (3, 2, 2, 2), rv // 4, rank=rv, axis="token")
     rope = KeyRotation(1.0 / 10000 ** (torch.arange(0, d, 2, device=device).float() / d)) if prerope else None
-    tail = FullSegment(torch.randn(b, h, 5, d, generator=g, device=device),
-                       torch.randn(b, h, 5, d, generator=g, device=device))
+    tail = FullSegment(*torch.randn(2, b, h, 5, d, generator=g, device=device))
     return SubspaceSegment(keys, values, rope, start=0), tail
 
 
@@ -376,8 +375,7 @@ def decode_timing(device: str, opts, deadline: Deadline, copy_gbps: float | None
                     try:
                         if name == SUBSPACE_ARCHIVE:  # the tiered archive in fitted bases, pre-RoPE keys (no cache)
                             cache = layer = None
-                            archive, _ = subspace_case(batch, opts.kv_heads, tokens - tokens % 64, d, True, tokens,
-                                                       device)
+                            archive = subspace_case(batch, opts.kv_heads, tokens // 64 * 64, d, True, tokens, device)[0]
                             segments = [archive, FullSegment(new_k, new_v)]
                         else:
                             cache, layer = fill_cache(name, k, v)
@@ -415,8 +413,10 @@ def _share(nbytes: int, ms: float, copy_gbps: float | None) -> float | None:
 def _describe(seg) -> str:
     from hf_kvcache.kernels.segments import FullSegment, QuantSegment, SubspaceSegment
 
-    if isinstance(seg, (QuantSegment, SubspaceSegment)):
-        return (f"kivi{seg.k_bits}/{seg.k_group}" if isinstance(seg, QuantSegment) else "subspace") + f"x{seg.tokens}"
+    if isinstance(seg, QuantSegment):
+        return f"kivi{seg.k_bits}/{seg.k_group}x{seg.tokens}"
+    if isinstance(seg, SubspaceSegment):
+        return f"subspacex{seg.tokens}"
     if isinstance(seg, FullSegment):
         return f"full{'@' + str(seg.overlay_at) if seg.overlay_at is not None else ''}x{seg.tokens}"
     return f"tok{seg.keys.bits}{'pre' if seg.key_codec is not None else ''}x{seg.tokens}"

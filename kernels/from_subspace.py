@@ -82,10 +82,15 @@ def subspace_partial(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor |
     (`native_subspace.coefficient_partial`); else computed here block by block."""
     m, l, coeff = coefficients or blockwise_partial(q, seg, mask, block, subspace_scores,
                                                     lambda p, part: subspace_coefficients(p, part.values))
-    v = seg.values
-    basis = v.basis.basis[:, :, : v.rank].float()  # [H, D, r]
-    acc = torch.matmul(coeff * v.basis.sigma[:, None, : v.rank].float(), basis.transpose(-1, -2))
-    return m, l, acc + l.unsqueeze(-1) * v.basis.mean.float()[:, None]
+    return m, l, in_model_basis(seg.values, coeff, l)
+
+
+def in_model_basis(values: SubspaceRows, coeff: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    """An unnormalized output in the values' whitened coefficients `[..., H, M, rank]` (row sums `total` `[..., H,
+    M]`) taken to the model's basis: times sigma and the basis, plus the row sums times the mean. `[..., H, M, D]`."""
+    basis = values.basis.basis[:, :, : values.rank].float()  # [H, D, r]
+    acc = torch.matmul(coeff * values.basis.sigma[:, None, : values.rank].float(), basis.transpose(-1, -2))
+    return acc + total.unsqueeze(-1) * values.basis.mean.float()[:, None]
 
 
 def subspace_mass(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | None, lse: torch.Tensor,

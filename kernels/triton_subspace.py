@@ -20,9 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
-from hf_kvcache.quant.packing import packed_length
-
 from . import native_subspace
+from .from_subspace import in_model_basis
 from .segments import SubspaceSegment
 from .triton_decode import _online_step, _scores, _store_partial, interpreting, merge_splits, padded_rows, split_plan
 from .triton_tokens import _cos_sin
@@ -43,17 +42,16 @@ def subspace_launch(head_dim: int, dot_f32: bool) -> tuple[int, int, int]:
 
 
 @functools.lru_cache(maxsize=64)
-def _directions(bounds: tuple, bits: tuple, padded: int, device: str) -> torch.Tensor:
+def _directions(bounds: tuple, bits: tuple, row_bytes: int, padded: int, device: str) -> torch.Tensor:
     """int32 `[5, padded]` on `device` (made once per layout and device: no host copy in a step): per direction of a
-    layout its byte in a token's row, bit shift in that byte and code mask, its subspace and (value codes) its
-    subspace's middle code times 2; zeros past the rank (a zero mask reads code 0)."""
+    layout (`native_subspace._layout`'s subspaces) its byte in a token's row, bit shift in that byte and code mask,
+    its subspace and (value codes) its subspace's middle code times 2; zeros past the rank (a zero mask reads code
+    0)."""
     table = torch.zeros(5, padded, dtype=torch.int32)
-    byte = 0
-    for s, ((lo, hi), width) in enumerate(zip(bounds, bits)):
+    for s, (lo, hi, width, byte) in enumerate(native_subspace._layout(bounds, bits, row_bytes).view(-1, 4).tolist()):
         for j in range(lo, hi):
             bit = 8 * byte + width * (j - lo)
             table[:, j] = torch.tensor([bit >> 3, bit & 7, (1 << width) - 1, s, 2**width - 1])
-        byte += packed_length(hi - lo, width)
     return table.to(device)
 
 
@@ -175,8 +173,8 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     dev = q.device
     w, mean = native_subspace.basis_weights(k)
     w = torch.nn.functional.pad(w, (0, 0, 0, kr - k.rank)).to(dev).contiguous()  # [H, KR, D]
-    kdir = _directions(tuple(k.bounds), tuple(k.bits), kr, str(dev))
-    vdir = _directions(tuple(v.bounds), tuple(v.bits), vr, str(dev))
+    kdir = _directions(tuple(k.bounds), tuple(k.bits), k.codes.shape[-1], kr, str(dev))
+    vdir = _directions(tuple(v.bounds), tuple(v.bits), v.codes.shape[-1], vr, str(dev))
     vscale = (v.scale.float() * _value_steps(tuple(v.bits), str(dev))).contiguous()
     freq = seg.rope.inv_freq.to(dev, torch.float32).contiguous() if seg.rope is not None else mean
     qp, m_pad = padded_rows(q)
@@ -191,7 +189,8 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
         n_tok, h, per_split, k.codes.shape[-1], v.codes.shape[-1], k.rank, len(v.bits), seg.start,
         seg.rope.scaling if seg.rope is not None else 1.0,
         HAS_VALID=key_valid is not None, PREROPE=seg.rope is not None, M_PAD=m_pad, D=d, KR=kr, VR=vr,
-        BLOCK=block, CH=channels, K_GROUP=k.token_group, DOT_F32=dot_f32, FAST_TRIG=not interpreting(), num_warps=num_warps,
+        BLOCK=block, CH=channels, K_GROUP=k.token_group, DOT_F32=dot_f32, FAST_TRIG=not interpreting(),
+        num_warps=num_warps,
     )
     if not merged:
         return m_out, l_out, acc_out
@@ -212,12 +211,10 @@ def split_partials_in_basis(q: torch.Tensor, seg: SubspaceSegment, key_valid: to
         return None
     m_out, l_out, coeff = part
     b, h, _, d = q.shape
+    splits, m_pad = m_out.shape[1:]
     v = seg.values
-    basis = v.basis.basis[:, :, : v.rank].float()  # [H, D, r]
-    sigma = v.basis.sigma[:, : v.rank].float()
-    coeff = coeff[..., : v.rank].reshape(b, h, *coeff.shape[1:3], v.rank) * sigma[None, :, None, None, :]
-    acc = torch.einsum("bhsmr,hdr->bhsmd", coeff, basis)
-    acc = acc + l_out.view(b, h, *l_out.shape[1:], 1) * v.basis.mean.float()[None, :, None, None, :]
+    coeff = coeff[..., : v.rank].reshape(b, h, splits, m_pad, v.rank).transpose(1, 2)  # heads beside the rows
+    acc = in_model_basis(v, coeff, l_out.view(b, h, splits, m_pad).transpose(1, 2)).transpose(1, 2)
     if v_rotation is not None:
         acc = rotate(acc, v_rotation)
-    return m_out, l_out, acc.reshape(b * h, *acc.shape[2:]).contiguous()
+    return m_out, l_out, acc.reshape(b * h, splits, m_pad, d).contiguous()
