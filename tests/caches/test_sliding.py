@@ -84,7 +84,7 @@ def test_sliding_options_default_validate_and_serialize():
     assert KIVIOptions().as_tiered().sliding is None  # KIVI runs one recipe on every layer
     with pytest.raises(ValueError, match="sliding must be a JSON object"):
         TieredQuantOptions(sliding=[0])
-    with pytest.raises(ValueError, match=r"\['sink_length'\] cannot be set per sliding-window layer; use the keys"):
+    with pytest.raises(ValueError, match=r"\['sink_length'\] cannot be set for sliding-window layers alone; use the keys"):
         TieredQuantOptions(sliding={"sink_length": 4})
     with pytest.raises(ValueError, match=r"sliding=\{'warm_length': 40\}: warm_length=40 must be a multiple of group_size"):
         TieredQuantOptions(sliding={"warm_length": 40})

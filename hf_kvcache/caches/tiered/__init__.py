@@ -40,6 +40,7 @@ from .options import (
     ROTATIONS,
     SLIDING_DEFAULT,
     SLIDING_FIELDS,
+    HYBRID_FULL_FIELDS,
     TAIL_DTYPES,
     TIERS,
     KIVIOptions,
@@ -50,6 +51,7 @@ from .options import (
 
 __all__ = [
     "CALIBRATION_GROUPS", "CLIP_TARGETS", "LONG_CONTEXT", "QUANTIZERS", "RETRIEVAL", "ROTATION_DTYPES", "ROTATIONS",
-    "SLIDING_DEFAULT", "SLIDING_FIELDS", "TAIL_DTYPES", "TIERS", "KIVICache", "KIVILayer", "KIVIOptions",
+    "SLIDING_DEFAULT", "SLIDING_FIELDS", "HYBRID_FULL_FIELDS", "TAIL_DTYPES", "TIERS", "KIVICache", "KIVILayer",
+    "KIVIOptions",
     "TierCalibration", "TieredQuantCache", "TieredQuantLayer", "TieredQuantOptions", "largest_divisor", "needs_rope",
 ]

@@ -30,6 +30,12 @@ class TieredQuantCache(AdaptiveThresholds, CompressedCache):
         if self.options_class is TieredQuantOptions:
             options = _default_candidates(config, options)
         super().__init__(config, **options)
+        tiered = [la for la in self.layers if isinstance(la, TieredQuantLayer)]
+        if any(la.is_sliding for la in tiered):  # the full layers of a hybrid model take `hybrid_full`
+            for layer in tiered:
+                if not layer.is_sliding:
+                    layer.in_hybrid = True
+                    layer.replan(self.options)
         recipes = getattr(self.options, "recipes", None)
         if recipes is not None:
             if len(recipes) != len(self.layers):

@@ -54,6 +54,7 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
         # first positions leave the window); `dropped` counts the positions before the first one held
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
+        self.in_hybrid = False  # a full layer of a model that also has sliding-window layers (set by the cache)
         self.dropped = 0
         self.tiers = LayerTiers()
         # the archive formats by name ("warm": the warm tier's KIVI codes); their fitted state (KVQuant codebooks,
@@ -72,9 +73,12 @@ class TieredQuantLayer(TierCalibration, ArchiveFormatChoice, CompressedLayer):
 
     def _plan(self) -> TieredQuantOptions:
         """The tiered options this layer runs with (KIVI maps its own options onto them; a sliding layer takes the
-        `sliding` overrides and keeps no sinks: its first positions leave the window)."""
+        `sliding` overrides and keeps no sinks: its first positions leave the window; a full layer of a model with
+        sliding-window layers takes the `hybrid_full` overrides)."""
         plan = self._options_as_tiered()
-        return plan.for_sliding() if self.is_sliding else plan
+        if self.is_sliding:
+            return plan.for_sliding()
+        return plan.for_hybrid_full() if self.in_hybrid else plan
 
     def _options_as_tiered(self) -> TieredQuantOptions:
         return self.options

@@ -25,6 +25,9 @@ SLIDING_FIELDS = ("tail_length", "warm_length", "warm_fraction", "warm_bits", "a
                   "group_size",
                   "archive_group_size", "value_group_size", "rotation", "clip_ratio", "clip_search", "clip_on",
                   "archive_quantizer", "archive_candidates")
+# the options the full-attention layers of a model with sliding-window layers may run with differently
+# (`TieredQuantOptions.hybrid_full`): widths, groups and tier sizes; the archive format stays the cache's
+HYBRID_FULL_FIELDS = tuple(f for f in SLIDING_FIELDS if f not in ("archive_quantizer", "archive_candidates"))
 # what sliding-window layers run with by default (measured on Gemma-3-270M, window 512, head_dim 256:
 # docs/rows/sliding_*gemma3-270m*)
 # no full-precision tail (the newest 0..31 tokens wait in it), 3-bit codes, values clipped (keys clipped too flipped
@@ -204,6 +207,11 @@ class TieredQuantOptions(CacheOptions):
       over (fewer than head_dim 256) misses most directions (Gemma-3-270M, 1024 tokens: subspace +33 %, adaptive
       +4057 % with subspace sliding layers). A sliding layer keeps no sinks either way. Models without sliding
       layers never read it.
+    - hybrid_full: options that the full-attention layers of a model with sliding-window layers run with instead of
+      the ones above, a JSON object over `HYBRID_FULL_FIELDS` (None, the default: the options above). In such a model
+      (Gemma-3-270M: 3 of 18 layers) those few layers carry every read beyond the window. Models without sliding
+      layers, and a cache built without the model config (it cannot tell), never read it; sliding layers take
+      `sliding` over the options above, not over these.
     """
 
     tail_length: int = 64
@@ -243,6 +251,7 @@ class TieredQuantOptions(CacheOptions):
     archive_error_target: float | None = None
     recipes: list | None = None
     sliding: dict | None = field(default_factory=lambda: dict(SLIDING_DEFAULT))
+    hybrid_full: dict | None = None
 
     def validate(self) -> None:
         check_int("tail_length", self.tail_length, lo=0)
@@ -291,18 +300,27 @@ class TieredQuantOptions(CacheOptions):
             raise ValueError(
                 f"archive_group_size={self.archive_group_size} must be a multiple of group_size={self.group_size}"
             )
-        if self.sliding is not None:
-            if not isinstance(self.sliding, dict):
-                raise ValueError("sliding must be a JSON object of options for sliding-window layers, e.g. "
-                                 f'{{"tail_length": 32, "warm_length": 64}}, or None, got {self.sliding!r}')
-            unknown = sorted(set(self.sliding) - set(SLIDING_FIELDS))
-            if unknown:
-                raise ValueError(f"sliding: {unknown} cannot be set per sliding-window layer; use the keys "
-                                 f"{list(SLIDING_FIELDS)} (or set the option for every layer)")
-            try:
-                self.for_sliding()
-            except ValueError as exc:
-                raise ValueError(f"sliding={self.sliding!r}: {exc}") from None
+        self._check_overlay("sliding", SLIDING_FIELDS, "sliding-window layers", self.for_sliding)
+        self._check_overlay("hybrid_full", HYBRID_FULL_FIELDS, "the full layers of a model with sliding-window layers",
+                            self.for_hybrid_full)
+
+    def _check_overlay(self, name: str, fields: tuple[str, ...], layers: str, lay_over) -> None:
+        """Check a per-layer-kind overlay (`sliding`, `hybrid_full`): a JSON object over `fields` whose result
+        `lay_over()` validates."""
+        over = getattr(self, name)
+        if over is None:
+            return
+        if not isinstance(over, dict):
+            raise ValueError(f"{name} must be a JSON object of options for {layers}, e.g. "
+                             f'{{"warm_length": 64, "archive_bits": 3}}, or None, got {over!r}')
+        unknown = sorted(set(over) - set(fields))
+        if unknown:
+            raise ValueError(f"{name}: {unknown} cannot be set for {layers} alone; use the keys "
+                             f"{list(fields)} (or set the option for every layer)")
+        try:
+            lay_over()
+        except ValueError as exc:
+            raise ValueError(f"{name}={over!r}: {exc}") from None
 
     def for_sliding(self) -> "TieredQuantOptions":
         """The options a sliding-window layer runs with: `sliding` laid over these, and no sinks (nor a subspace
@@ -311,7 +329,12 @@ class TieredQuantOptions(CacheOptions):
         over.setdefault("archive_candidates", None)
         if over.get("archive_quantizer", self.archive_quantizer) not in ("subspace", "adaptive"):
             over["archive_rank"] = None
-        return dataclasses.replace(self, sliding=None, sink_length=0, **over)
+        return dataclasses.replace(self, sliding=None, hybrid_full=None, sink_length=0, **over)
+
+    def for_hybrid_full(self) -> "TieredQuantOptions":
+        """The options a full-attention layer of a model with sliding-window layers runs with: `hybrid_full` laid
+        over these."""
+        return dataclasses.replace(self, sliding=None, hybrid_full=None, **(self.hybrid_full or {}))
 
     def _check_archive_formats(self) -> None:
         check_bool("subspace_prerope", self.subspace_prerope)
@@ -400,7 +423,7 @@ class KIVIOptions(CacheOptions):
             sink_length=self.sink_length, key_axis=self.key_axis, rotation=self.rotation,
             rotation_dtype=self.rotation_dtype,
             clip_ratio=self.clip_ratio, clip_search=self.clip_search, clip_on=self.clip_on, tail_dtype=self.tail_dtype,
-            archive_error_target=None, sliding=None, archive_candidates=None, target_ratio=None,
+            archive_error_target=None, sliding=None, hybrid_full=None, archive_candidates=None, target_ratio=None,
             fitted_state_from_warm=False,
         )
 
