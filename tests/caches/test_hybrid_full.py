@@ -3,7 +3,7 @@ with their own overrides, and only there (tiny random Gemma-3 and Llama, no down
 
 import pytest
 import torch
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig
+from transformers import LlamaConfig
 
 import hf_kvcache  # noqa: F401
 from hf_kvcache import TieredQuantCache
@@ -12,17 +12,6 @@ from hf_kvcache.caches.tiered import HYBRID_FULL_FIELDS, SLIDING_DEFAULT, Tiered
 SMALL = dict(tail_length=8, warm_length=16, group_size=8, archive_group_size=8, target_ratio=None, sink_length=0,
              rotation="none", archive_candidates=None)
 OVER = {"archive_bits": 3, "archive_key_bits": 2, "value_group_size": 32, "warm_length": 8}
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma():
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, sliding_window=24, max_position_embeddings=512,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-    )
-    return Gemma3ForCausalLM(cfg).eval()
 
 
 def run(model, cache, ids):

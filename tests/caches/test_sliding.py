@@ -9,20 +9,9 @@ import hf_kvcache  # noqa: F401
 from hf_kvcache import KIVICache, TieredQuantCache
 from hf_kvcache.caches.tiered import TieredQuantLayer
 
-WINDOW = 24
+WINDOW = 24  # the window of the tiny_gemma fixture (conftest.py)
 EIGHT_BIT = dict(tail_length=8, warm_length=8, group_size=8, archive_group_size=8, warm_bits=8, archive_bits=8,
                  sink_length=0, rotation="none", sliding=None)
-
-
-@pytest.fixture(scope="module")
-def tiny_gemma():
-    torch.manual_seed(0)
-    cfg = Gemma3TextConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=32, sliding_window=WINDOW, max_position_embeddings=512,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"],
-    )
-    return Gemma3ForCausalLM(cfg).eval()
 
 
 def stream(model, cache, ids, chunk):
