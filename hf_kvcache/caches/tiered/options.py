@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 
 from ...options import CacheOptions, check_bool, check_choice, check_int, check_number, check_positive_int
@@ -304,7 +304,8 @@ class TieredQuantOptions(CacheOptions):
         self._check_overlay("hybrid_full", HYBRID_FULL_FIELDS, "the full layers of a model with sliding-window layers",
                             self.for_hybrid_full)
 
-    def _check_overlay(self, name: str, fields: tuple[str, ...], layers: str, lay_over) -> None:
+    def _check_overlay(self, name: str, fields: tuple[str, ...], layers: str,
+                       lay_over: Callable[[], "TieredQuantOptions"]) -> None:
         """Check a per-layer-kind overlay (`sliding`, `hybrid_full`): a JSON object over `fields` whose result
         `lay_over()` validates."""
         over = getattr(self, name)
