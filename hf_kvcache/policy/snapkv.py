@@ -2,8 +2,9 @@
 
 The score of a slot is the attention the last `window` queries give it (summed over those queries and the query
 heads of its KV group), recomputed over the held tokens at every eviction -- across several decoding steps when the
-forwards are shorter than the window -- then, with `pool` > 1, averaged over `pool` neighbouring slots so that a
-kept token keeps its context (off by default: it lost perplexity in our streaming measurement). The observation
+forwards are shorter than the window -- then, with `pool` > 1, averaged (`pool_mode="avg"`) or maximized
+(`pool_mode="max"`: a slot scores as its best neighbour) over `pool` neighbouring slots so that a kept token keeps its
+context (off by default: it lost perplexity in our streaming measurement). The observation
 window itself (the `window` newest tokens, at most half the budget) is always kept unless `recent_length` /
 `recent_ratio` / `heavy_length` / `heavy_ratio` say otherwise.
 """
@@ -16,27 +17,30 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from ..options import check_positive_int
+from ..options import check_choice, check_positive_int
 from .base import INF, SlotView
 from .options import ObservationWindow, RingPolicy
 
 DEFAULT_POOL = 1  # SnapKV pools over 7; measured worse here (see docs/rows)
+POOL_MODES = ("avg", "max")
 
 
 @dataclass(kw_only=True)
 class SnapKVPolicy(ObservationWindow, RingPolicy):
     """Options: `window` (queries observed, default 32), `pool` (odd width of the pooling over neighbouring slots,
-    default 1 = none), and those of `policy.options.RingPolicy`."""
+    default 1 = none), `pool_mode` ("avg" or "max" over those slots), and those of `policy.options.RingPolicy`."""
 
     name: ClassVar[str] = "snapkv"
     default_recent_share: ClassVar[float] = 0.0
     pool: int = DEFAULT_POOL
+    pool_mode: str = "avg"
 
     def validate(self) -> None:
         super().validate()
         check_positive_int("pool", self.pool)
         if self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
+        check_choice("pool_mode", self.pool_mode, POOL_MODES)
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         # the observation window, but never more than half the budget: with a small budget (the start of a stream
@@ -45,6 +49,10 @@ class SnapKVPolicy(ObservationWindow, RingPolicy):
         score = view.window.sum(-2)
         if self.pool > 1:
             b, h, n = score.shape
-            score = F.avg_pool1d(score.view(b * h, 1, n), self.pool, stride=1, padding=self.pool // 2,
-                                 count_include_pad=False).view(b, h, n)
+            flat = score.view(b * h, 1, n)
+            if self.pool_mode == "max":
+                score = F.max_pool1d(flat, self.pool, stride=1, padding=self.pool // 2).view(b, h, n)
+            else:
+                score = F.avg_pool1d(flat, self.pool, stride=1, padding=self.pool // 2,
+                                     count_include_pad=False).view(b, h, n)
         return score.masked_fill(view.last(recent), INF)

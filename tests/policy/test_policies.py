@@ -111,6 +111,11 @@ def test_snapkv_window_pooling_and_protected_window():
     q[:, :, -1, 9] = 2.0
     drive(cache, k, k, queries=q)
     assert kept(cache)[0, 0].tolist()[:3] == [4, 5, 6]
+    # max pooling: every neighbour within pool // 2 of an attended token scores as that token
+    cache = H2OCache(config=tiny_config(), budget=5, policy="snapkv", window=1, pool=3, pool_mode="max")
+    drive(cache, k, k, queries=q)
+    pos = kept(cache)[0, 0].tolist()
+    assert {4, 5, 6, 11} <= set(pos) and len(set(pos) - {4, 5, 6, 11}) == 1 and set(pos) - {4, 5, 6, 11} <= {8, 9, 10}
     # the window never takes more than half the budget (the sink survives a small early budget)
     assert POLICIES["snapkv"](window=32).split(10)[1] == 0
     view = SlotView(None, torch.arange(10)[None, None], torch.ones(1, 1, 10, dtype=torch.bool),
@@ -159,6 +164,7 @@ def test_h2o_decay_fades_old_mass():
         (dict(decay=1.5), r"decay must be a number in \(0, 1\]"),
         (dict(policy="tova", window=4), "window applies to the snapkv / expected policies"),
         (dict(policy="snapkv", pool=4), "pool must be odd"),
+        (dict(policy="snapkv", pool=3, pool_mode="mean"), "pool_mode='mean' is not valid"),
         (dict(policy="snapkv", window=0), "window must be a positive integer"),
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
         (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
