@@ -8,7 +8,7 @@ A policy keeps it when, through `H2OCache` and the `"hf_kvcache"` attention:
 - `evict_to(..., protect_last=k)` keeps the k newest tokens in every row and head, and stays exact;
 - beam reorder, repetition and selection move each row's storage (and queries) with the row;
 - a crop before any eviction leaves the cache that never saw the cropped tokens, also once it evicts;
-- it composes with every wrapper that applies to it (`SharedHeads`, `Pyramid`, `AdaKV`, `Merge`);
+- it composes with every wrapper that applies to it (`SharedHeads`, `Pyramid`, `AdaKV`, `Merge`, `Pooled`);
 - its options survive `to_dict` / JSON, and the flat `cache_config` form builds the same policy.
 """
 
@@ -24,7 +24,7 @@ from transformers import DynamicCache, LlamaForCausalLM
 import hf_kvcache  # noqa: F401  (registers the cache names and the attention)
 from hf_kvcache import H2OCache
 from hf_kvcache.caches.evict import EvictOptions
-from hf_kvcache.policy import POLICIES, AdaKV, EvictionPolicy, Merge, Pyramid, SharedHeads, policy_from_dict
+from hf_kvcache.policy import POLICIES, AdaKV, EvictionPolicy, Merge, Pooled, Pyramid, SharedHeads, policy_from_dict
 from models import eviction_llama
 
 B, H, G, D, LAYERS = 2, 2, 2, 16, 2
@@ -158,7 +158,8 @@ def check_crop_before_eviction(model, policy: EvictionPolicy) -> None:
 def check_wrappers_compose(model, policy: EvictionPolicy) -> None:
     """`SharedHeads`: one token set per layer; `Pyramid(0.5)`: 12 and 4 tokens in the two layers for a budget of 8;
     `AdaKV` (policies ranking by attention): the layer's budget shared by its heads, stored compactly; `Merge`
-    (policies reading a query window): evicted tokens folded into kept slots (log weights grow)."""
+    (policies reading a query window): evicted tokens folded into kept slots (log weights grow); `Pooled`: the
+    budget kept, alone and (policies ranking by attention) inside `AdaKV`."""
     ids = torch.randint(0, 97, (B, 40), generator=torch.Generator().manual_seed(6))
 
     def run(wrapped: EvictionPolicy, budget: int = 8) -> H2OCache:
@@ -172,9 +173,10 @@ def check_wrappers_compose(model, policy: EvictionPolicy) -> None:
         pos = layer.held_positions()
         assert pos.shape[-1] == 8 and (pos == pos[:, :1]).all()
     assert [layer.tokens_held() for layer in run(Pyramid(policy, 0.5)).layers] == [12, 4]
+    assert [layer.tokens_held() for layer in run(Pooled(policy, 3)).layers] == [8, 8]
     if policy.ranks_by_attention and not policy.by_output_error:
-        cache = run(AdaKV(policy))
-        assert all(layer.counts.sum(-1).tolist() == [8 * H] * B for layer in cache.layers)
+        for cache in (run(AdaKV(policy)), run(AdaKV(Pooled(policy, 5, "avg")))):
+            assert all(layer.counts.sum(-1).tolist() == [8 * H] * B for layer in cache.layers)
     if policy.query_window() > 0:
         cache = run(Merge(policy, "mass", similarity=-1.0), budget=24)  # any kept key may take an evicted one
         assert all(bool((layer.slots.log_weight > 0).any()) for layer in cache.layers)

@@ -1,6 +1,6 @@
 """Eviction policies, one per module: each picks which held tokens a KV head keeps (see `base.EvictionPolicy`), and
 declares and checks its own options (dataclass fields; shared groups in `options`). Wrappers (`wrappers`) add
-per-head budgets, per-layer budgets, shared heads and merging to any policy.
+per-head budgets, per-layer budgets, shared heads, merging and pooled scores to any policy.
 
 New policy: a module with an `EvictionPolicy` subclass, and one `register_policy` line below (or a call from user
 code); `H2OCache(policy="name", ...)` and `cache_config={"policy": "name", ...}` then build it.
@@ -22,9 +22,9 @@ from .sinks import SinksPolicy
 from .snapkv import SnapKVPolicy
 from .strided import StridedPolicy
 from .tova import TOVAPolicy
-from .wrappers import AdaKV, Merge, PolicyWrapper, Pyramid, SharedHeads
+from .wrappers import AdaKV, Merge, PolicyWrapper, Pooled, Pyramid, SharedHeads
 
-WRAPPERS: dict[str, type[PolicyWrapper]] = {w.name: w for w in (AdaKV, Pyramid, SharedHeads, Merge)}
+WRAPPERS: dict[str, type[PolicyWrapper]] = {w.name: w for w in (AdaKV, Pyramid, SharedHeads, Merge, Pooled)}
 
 register_policy(H2OPolicy)
 register_policy(TOVAPolicy)
@@ -66,6 +66,7 @@ __all__ = [
     "Merge",
     "POLICIES",
     "PolicyWrapper",
+    "Pooled",
     "Pyramid",
     "RecentPolicy",
     "ReconstructionPolicy",

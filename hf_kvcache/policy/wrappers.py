@@ -1,5 +1,5 @@
 """Cross-cutting eviction options as wrappers around a policy: `AdaKV(policy)`, `Pyramid(policy, slope)`,
-`SharedHeads(policy)`, `Merge(policy, mode)`. A wrapper answers what it changes and hands every other question to
+`SharedHeads(policy)`, `Merge(policy, mode)`, `Pooled(policy, pool, mode)`. A wrapper answers what it changes and hands every other question to
 the policy it wraps, so wrappers compose (`Merge(Pyramid(TOVAPolicy(), 0.3))`).
 
 - `AdaKV`: per-head budgets inside a layer (Ada-KV, Feng et al. 2024): the layer keeps `budget x kv_heads` slots
@@ -14,6 +14,9 @@ the policy it wraps, so wrappers compose (`Merge(Pyramid(TOVAPolicy(), 0.3))`).
   `similarity`), the slot's value becoming their average weighted by the attention of the last 32 queries;
   `mode="mass"` also raises the slot's logit by the log of the tokens it stands for, `"value"` does not
   (`caches.evict.merge`). Needs a policy that keeps a ring of recent queries (`query_window() > 0`).
+- `Pooled`: each slot's score becomes the maximum (`mode="max"`) or the mean (`"avg"`) of the policy's scores over
+  the `pool` slots centred on it (slots are in order of position), so that a kept token keeps its neighbours (the
+  digits of a number beside the one the scorer found); protected (`+inf`) and padding slots neither give nor take.
 """
 
 from __future__ import annotations
@@ -22,13 +25,15 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+import torch.nn.functional as F
 
-from ..options import check_choice, check_number
+from ..options import check_choice, check_number, check_positive_int
 from .base import INF, EvictionPolicy, SlotView
 from .options import RingPolicy
 from .registry import POLICIES
 
 MERGE_MODES = ("value", "mass")
+POOL_MODES = ("max", "avg")
 DEFAULT_MERGE_SIMILARITY = 0.5  # lowest key cosine between an evicted token and the kept slot it is folded into
 DEFAULT_HEAD_FLOOR = 0.2  # AdaKV: each head keeps at least this fraction of the budget
 
@@ -213,3 +218,48 @@ class Merge(PolicyWrapper):
     @property
     def merging(self) -> "Merge":
         return self
+
+
+@dataclass
+class Pooled(PolicyWrapper):
+    """Scores pooled over neighbouring slots (see the module docstring); `pool` odd, `mode` "max" or "avg"."""
+
+    name: ClassVar[str] = "pooled"
+    pool: int = 7
+    mode: str = "max"
+
+    def validate(self) -> None:
+        super().validate()
+        check_positive_int("pool", self.pool)
+        if self.pool % 2 == 0:
+            raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
+        check_choice("mode", self.mode, POOL_MODES)
+
+    def scores(self, view: SlotView, budget: int, across_heads: bool = False) -> torch.Tensor:
+        return pool_scores(self.policy.scores(view, budget, across_heads), view.valid, self.pool, self.mode)
+
+
+def pool_scores(scores: torch.Tensor, valid: torch.Tensor, pool: int, mode: str) -> torch.Tensor:
+    """`scores [batch, kv_heads, slots]` (slots in order of position) pooled over `pool` neighbouring slots: the
+    maximum or the mean of the finite scores of real slots in the window; other slots (`+-inf`, padding) keep
+    their score and give none to their neighbours.
+
+    Args:
+        scores: float32 priorities, `+inf` for protected slots.
+        valid: bool `[batch, kv_heads, slots]`, False for padding.
+        pool: odd window width; mode: "max" or "avg".
+    Returns:
+        float32 `[batch, kv_heads, slots]`.
+    """
+    if pool <= 1:
+        return scores
+    b, h, n = scores.shape
+    usable = scores.isfinite() & valid
+    if mode == "max":
+        filled = torch.where(usable, scores, torch.finfo(scores.dtype).min).reshape(b * h, 1, n)
+        pooled = F.max_pool1d(filled, pool, stride=1, padding=pool // 2)
+    else:
+        total = F.avg_pool1d(torch.where(usable, scores, 0.0).reshape(b * h, 1, n), pool, 1, pool // 2)
+        count = F.avg_pool1d(usable.to(scores.dtype).reshape(b * h, 1, n), pool, 1, pool // 2)
+        pooled = total / count.clamp_min(torch.finfo(scores.dtype).tiny)
+    return torch.where(usable, pooled.view(b, h, n), scores)

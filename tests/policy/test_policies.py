@@ -570,3 +570,37 @@ def test_generate_with_quant_bits_by_name(smol, pydoc_text):
         assert cache.memory_stats()["ratio"] > 5
     finally:
         model.set_attn_implementation("sdpa")
+
+
+def test_pooled_scores_spread_to_neighbours_but_not_from_protected_or_padding():
+    from hf_kvcache.policy.wrappers import pool_scores
+
+    inf = float("inf")
+    scores = torch.tensor([[[inf, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0, 9.0]]])
+    valid = torch.ones(1, 1, 10, dtype=torch.bool)
+    valid[..., -1] = False  # padding: its 9.0 is not a neighbour's
+    got = pool_scores(scores, valid, 3, "max")
+    assert got.tolist() == [[[inf, 0.0, 5.0, 5.0, 5.0, 0.0, 1.0, 1.0, 1.0, 9.0]]]
+    got = pool_scores(scores, valid, 3, "avg")  # the mean over the usable slots of each window
+    want = [inf, 0.0, 5 / 3, 5 / 3, 5 / 3, 0.0, 1 / 3, 1 / 3, 0.5, 9.0]
+    torch.testing.assert_close(got, torch.tensor([[want]]))
+    assert torch.equal(pool_scores(scores, valid, 1, "max"), scores)
+
+
+def test_pooled_wrapper_builds_from_a_dict_and_checks_its_options():
+    from hf_kvcache.policy import Pooled, SnapKVPolicy, policy_from_dict
+
+    spec = {"name": "pooled", "pool": 15, "mode": "max", "policy": {"name": "snapkv", "window": 8}}
+    policy = policy_from_dict(spec)
+    assert policy == Pooled(SnapKVPolicy(window=8), 15, "max") and policy_from_dict(policy.to_dict()) == policy
+    with pytest.raises(ValueError, match="pool must be odd"):
+        Pooled(SnapKVPolicy(), 4)
+    with pytest.raises(ValueError, match="mode='mean' is not valid"):
+        Pooled(SnapKVPolicy(), 3, "mean")
+    # through a cache: one strong token keeps its two neighbours (window 1, budget 4: the window and three more)
+    cache = H2OCache(config=tiny_config(), budget=4, policy=Pooled(SnapKVPolicy(window=1), 3))
+    k = one_hot_keys(12)
+    q = torch.zeros(B, H * G, 12, D)
+    q[:, :, -1, 5] = 20.0
+    drive(cache, k, k, queries=q)
+    assert kept(cache)[0, 0].tolist() == [4, 5, 6, 11]

@@ -252,3 +252,24 @@ def test_score_context_needs_a_reconstruction_cache(model):
     model(_ids(6), past_key_values=cache)
     with pytest.raises(ValueError, match="policy='reconstruct'"):
         score_context(model, cache, _ids(6), PROMPT)
+
+
+@torch.inference_mode()
+def test_pooled_scores_keep_the_neighbours_of_the_best(model):
+    """`Pooled(policy, 3)` around the reconstruction scores: `evict_to` keeps each top-scored token with the tokens
+    beside it (the maximum over three slots), where the plain scores keep the top tokens alone."""
+    from hf_kvcache.policy import Pooled
+
+    ids = _ids(15)[:1]
+    for policy, want in ((ReconstructionPolicy(chunk=16), [20, 30]),
+                         (Pooled(ReconstructionPolicy(chunk=16), 3), [19, 20, 21, 29, 30, 31])):
+        cache = H2OCache(config=model.config, budget=1.0, policy=policy)
+        model(ids, past_key_values=cache)
+        score_context(model, cache, ids, PROMPT)
+        for layer in cache.layers:
+            scores = torch.full_like(layer.slots.scores, 1e-3)
+            scores[..., 20], scores[..., 30] = 1.0, 0.5
+            layer.slots.scores = scores
+        cache.evict_to(len(want))
+        for layer in cache.layers:
+            assert layer.held_positions()[0].sort(-1).values.tolist() == [want] * H
