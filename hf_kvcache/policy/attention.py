@@ -1,12 +1,17 @@
 """The attention recent queries give the held slots, recomputed at eviction time: `window_logits`, `window_attention`,
 and `removal_error` (how far each query's output moves without a slot). Window policies read it through
-`SlotView.window`; the query ring (`policy.ring`) and CPAC use it too."""
+`SlotView.window`; the query ring (`policy.ring`) and CPAC use it too. `pool_scores`: scores pooled over
+neighbouring slots (SnapKV's `pool`, the `Pooled` wrapper)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+
+from ..options import check_choice, check_positive_int
 
 INF = float("inf")
+POOL_MODES = ("max", "avg")  # pool_scores: a slot scores as the best or the mean of its neighbours
 
 
 def window_logits(
@@ -69,3 +74,39 @@ def removal_error(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     far = (v.square().sum(-1)[:, :, None] - 2 * dots + out.square().sum(-1, keepdim=True)).clamp_min_(0.0).sqrt_()
     moved = probs / (1 - probs).clamp_min(1e-6) * far.view(b, h, g, w, n)
     return moved.sum(2)
+
+
+def pool_scores(scores: torch.Tensor, valid: torch.Tensor | None, pool: int, mode: str) -> torch.Tensor:
+    """`scores [batch, kv_heads, slots]` (slots in order of position) pooled over `pool` neighbouring slots: the
+    maximum or the mean of the finite scores of real slots in the window; other slots (`+-inf`, padding) keep
+    their score and give none to their neighbours.
+
+    Args:
+        scores: float32 priorities, `+inf` for protected slots.
+        valid: bool `[batch, kv_heads, slots]`, False for padding; None: every slot real.
+        pool: odd window width; mode: "max" or "avg" (`POOL_MODES`).
+    Returns:
+        float32 `[batch, kv_heads, slots]`.
+    """
+    if pool <= 1:
+        return scores
+    b, h, n = scores.shape
+    usable = scores.isfinite() if valid is None else scores.isfinite() & valid
+    if mode == "avg" and bool(usable.all()):  # no slot to leave out: the plain mean over the slots in range
+        pooled = F.avg_pool1d(scores.reshape(b * h, 1, n), pool, 1, pool // 2, count_include_pad=False)
+    elif mode == "max":
+        filled = torch.where(usable, scores, torch.finfo(scores.dtype).min).reshape(b * h, 1, n)
+        pooled = F.max_pool1d(filled, pool, stride=1, padding=pool // 2)
+    else:
+        total = F.avg_pool1d(torch.where(usable, scores, 0.0).reshape(b * h, 1, n), pool, 1, pool // 2)
+        count = F.avg_pool1d(usable.to(scores.dtype).reshape(b * h, 1, n), pool, 1, pool // 2)
+        pooled = total / count.clamp_min(torch.finfo(scores.dtype).tiny)
+    return torch.where(usable, pooled.view(b, h, n), scores)
+
+
+def check_pool(pool: int, mode: str, mode_option: str = "mode") -> None:
+    """ValueError unless `pool` is an odd positive width and `mode` one of `POOL_MODES` (named `mode_option`)."""
+    check_positive_int("pool", pool)
+    if pool % 2 == 0:
+        raise ValueError(f"pool must be odd (centred on the slot), got {pool}; e.g. pool={pool + 1}")
+    check_choice(mode_option, mode, POOL_MODES)

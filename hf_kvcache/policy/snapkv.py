@@ -15,14 +15,12 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from ..options import check_choice, check_positive_int
+from .attention import check_pool, pool_scores
 from .base import INF, SlotView
 from .options import ObservationWindow, RingPolicy
 
 DEFAULT_POOL = 1  # SnapKV pools over 7; measured worse here (see docs/rows)
-POOL_MODES = ("avg", "max")
 
 
 @dataclass(kw_only=True)
@@ -37,22 +35,12 @@ class SnapKVPolicy(ObservationWindow, RingPolicy):
 
     def validate(self) -> None:
         super().validate()
-        check_positive_int("pool", self.pool)
-        if self.pool % 2 == 0:
-            raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
-        check_choice("pool_mode", self.pool_mode, POOL_MODES)
+        check_pool(self.pool, self.pool_mode, "pool_mode")
 
     def priority(self, view: SlotView, budget: int) -> torch.Tensor:
         # the observation window, but never more than half the budget: with a small budget (the start of a stream
         # under a ratio budget) a window filling it would evict the attention sink
         recent = self.split(budget)[1] if self.split_given() else min(self.window, budget // 2)
         score = view.window.sum(-2)
-        if self.pool > 1:
-            b, h, n = score.shape
-            flat = score.view(b * h, 1, n)
-            if self.pool_mode == "max":
-                score = F.max_pool1d(flat, self.pool, stride=1, padding=self.pool // 2).view(b, h, n)
-            else:
-                score = F.avg_pool1d(flat, self.pool, stride=1, padding=self.pool // 2,
-                                     count_include_pad=False).view(b, h, n)
+        score = pool_scores(score, None, self.pool, self.pool_mode)
         return score.masked_fill(view.last(recent), INF)

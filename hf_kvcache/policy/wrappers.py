@@ -1,6 +1,6 @@
 """Cross-cutting eviction options as wrappers around a policy: `AdaKV(policy)`, `Pyramid(policy, slope)`,
-`SharedHeads(policy)`, `Merge(policy, mode)`, `Pooled(policy, pool, mode)`. A wrapper answers what it changes and hands every other question to
-the policy it wraps, so wrappers compose (`Merge(Pyramid(TOVAPolicy(), 0.3))`).
+`SharedHeads(policy)`, `Merge(policy, mode)`, `Pooled(policy, pool, mode)`. A wrapper answers what it changes and
+hands every other question to the policy it wraps, so wrappers compose (`Merge(Pyramid(TOVAPolicy(), 0.3))`).
 
 - `AdaKV`: per-head budgets inside a layer (Ada-KV, Feng et al. 2024): the layer keeps `budget x kv_heads` slots
   per row, shared by its heads by priority (heads whose attention is spread keep more, peaked heads fewer), each
@@ -25,15 +25,14 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-import torch.nn.functional as F
 
-from ..options import check_choice, check_number, check_positive_int
+from ..options import check_choice, check_number
+from .attention import check_pool, pool_scores
 from .base import INF, EvictionPolicy, SlotView
 from .options import RingPolicy
 from .registry import POLICIES
 
 MERGE_MODES = ("value", "mass")
-POOL_MODES = ("max", "avg")
 DEFAULT_MERGE_SIMILARITY = 0.5  # lowest key cosine between an evicted token and the kept slot it is folded into
 DEFAULT_HEAD_FLOOR = 0.2  # AdaKV: each head keeps at least this fraction of the budget
 
@@ -230,36 +229,8 @@ class Pooled(PolicyWrapper):
 
     def validate(self) -> None:
         super().validate()
-        check_positive_int("pool", self.pool)
-        if self.pool % 2 == 0:
-            raise ValueError(f"pool must be odd (centred on the slot), got {self.pool}; e.g. pool={self.pool + 1}")
-        check_choice("mode", self.mode, POOL_MODES)
+        check_pool(self.pool, self.mode)
 
     def scores(self, view: SlotView, budget: int, across_heads: bool = False) -> torch.Tensor:
         return pool_scores(self.policy.scores(view, budget, across_heads), view.valid, self.pool, self.mode)
 
-
-def pool_scores(scores: torch.Tensor, valid: torch.Tensor, pool: int, mode: str) -> torch.Tensor:
-    """`scores [batch, kv_heads, slots]` (slots in order of position) pooled over `pool` neighbouring slots: the
-    maximum or the mean of the finite scores of real slots in the window; other slots (`+-inf`, padding) keep
-    their score and give none to their neighbours.
-
-    Args:
-        scores: float32 priorities, `+inf` for protected slots.
-        valid: bool `[batch, kv_heads, slots]`, False for padding.
-        pool: odd window width; mode: "max" or "avg".
-    Returns:
-        float32 `[batch, kv_heads, slots]`.
-    """
-    if pool <= 1:
-        return scores
-    b, h, n = scores.shape
-    usable = scores.isfinite() & valid
-    if mode == "max":
-        filled = torch.where(usable, scores, torch.finfo(scores.dtype).min).reshape(b * h, 1, n)
-        pooled = F.max_pool1d(filled, pool, stride=1, padding=pool // 2)
-    else:
-        total = F.avg_pool1d(torch.where(usable, scores, 0.0).reshape(b * h, 1, n), pool, 1, pool // 2)
-        count = F.avg_pool1d(usable.to(scores.dtype).reshape(b * h, 1, n), pool, 1, pool // 2)
-        pooled = total / count.clamp_min(torch.finfo(scores.dtype).tiny)
-    return torch.where(usable, pooled.view(b, h, n), scores)
