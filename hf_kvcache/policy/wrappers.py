@@ -233,4 +233,3 @@ class Pooled(PolicyWrapper):
 
     def scores(self, view: SlotView, budget: int, across_heads: bool = False) -> torch.Tensor:
         return pool_scores(self.policy.scores(view, budget, across_heads), view.valid, self.pool, self.mode)
-

@@ -573,7 +573,7 @@ def test_generate_with_quant_bits_by_name(smol, pydoc_text):
 
 
 def test_pooled_scores_spread_to_neighbours_but_not_from_protected_or_padding():
-    from hf_kvcache.policy.wrappers import pool_scores
+    from hf_kvcache.policy.attention import pool_scores
 
     inf = float("inf")
     scores = torch.tensor([[[inf, 0.0, 0.0, 5.0, 0.0, 0.0, 0.0, 1.0, 0.0, 9.0]]])
