@@ -116,6 +116,25 @@ def test_snapkv_window_pooling_and_protected_window():
     drive(cache, k, k, queries=q)
     pos = kept(cache)[0, 0].tolist()
     assert {4, 5, 6, 11} <= set(pos) and len(set(pos) - {4, 5, 6, 11}) == 1 and set(pos) - {4, 5, 6, 11} <= {8, 9, 10}
+    # query_reduce="max": one query's strong look outweighs several queries' glances summed
+    q = torch.zeros(B, H * G, 12, D)
+    q[:, :, -1, 3] = 20.0  # the newest query looks hard at token 3
+    q[:, :, -4:-1, 5] = 12.0  # the three before it share their attention between tokens 5 and 6
+    q[:, :, -4:-1, 6] = 12.0
+    cache = H2OCache(config=tiny_config(), budget=2, policy="snapkv", window=4, query_reduce="max",
+                     recent_length=0)
+    drive(cache, k, k, queries=q)
+    by_max = set(kept(cache)[0, 0].tolist())
+    cache = H2OCache(config=tiny_config(), budget=2, policy="snapkv", window=4, recent_length=0)
+    drive(cache, k, k, queries=q)
+    by_sum = set(kept(cache)[0, 0].tolist())
+    assert 3 in by_max and by_sum == {5, 6}
+    view = SlotView(None, torch.arange(4)[None, None], torch.ones(1, 1, 4, dtype=torch.bool),
+                    window=torch.tensor([[[[0.9, 0.0, 0.5, 0.0], [0.0, 0.0, 0.5, 0.0], [0.0, 0.0, 0.5, 0.0]]]]))
+    assert POLICIES["snapkv"](window=3, query_reduce="max", recent_length=0).priority(view, 2)[0, 0].tolist() == \
+        pytest.approx([0.9, 0.0, 0.5, 0.0])
+    assert POLICIES["snapkv"](window=3, recent_length=0).priority(view, 2)[0, 0].tolist() == \
+        pytest.approx([0.9, 0.0, 1.5, 0.0])
     # the window never takes more than half the budget (the sink survives a small early budget)
     assert POLICIES["snapkv"](window=32).split(10)[1] == 0
     view = SlotView(None, torch.arange(10)[None, None], torch.ones(1, 1, 10, dtype=torch.bool),
@@ -165,6 +184,7 @@ def test_h2o_decay_fades_old_mass():
         (dict(policy="tova", window=4), "window applies to the snapkv / expected policies"),
         (dict(policy="snapkv", pool=4), "pool must be odd"),
         (dict(policy="snapkv", pool=3, pool_mode="mean"), "pool_mode='mean' is not valid"),
+        (dict(policy="snapkv", query_reduce="mean"), "query_reduce='mean' is not valid"),
         (dict(policy="snapkv", window=0), "window must be a positive integer"),
         (dict(quant_bits=3), r"quant_bits=3 is not valid; choose None \(the model's dtype\), 8, 4 or 2"),
         (dict(quant_group_size=16), "quant_group_size applies when quant_bits is set"),
