@@ -7,9 +7,8 @@ forwards are shorter than the window -- then, with `pool` > 1, averaged (`pool_m
 context (off by default: it lost perplexity in our streaming measurement). With `query_reduce="max"` a slot scores as
 the strongest attention any one window query gives it (the heads of its group summed) instead of the sum over the
 window, so that a token one question token looks at hard is not outweighed by tokens every query glances at. The
-observation
-window itself (the `window` newest tokens, at most half the budget) is always kept unless `recent_length` /
-`recent_ratio` / `heavy_length` / `heavy_ratio` say otherwise.
+observation window itself (the `window` newest tokens, at most half the budget) is always kept unless `recent_length`
+/ `recent_ratio` / `heavy_length` / `heavy_ratio` say otherwise.
 """
 
 from __future__ import annotations
