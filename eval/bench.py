@@ -15,6 +15,7 @@ from transformers.cache_utils import Cache
 from hf_kvcache.options import parse_options_json
 from hf_kvcache.attention.plain import unserved
 from hf_kvcache.registry import attached, build_cache, cache_names
+from hf_kvcache.transformers_compat import cache_kwargs
 
 from .assets import load_model, load_text, load_tokens
 from .perplexity import streaming_perplexity
@@ -130,7 +131,7 @@ def decode_tokens_per_s(model, cache: Cache, next_ids: torch.Tensor) -> float:
     """Tokens/s of single-token decoding steps on a filled cache (adds `next_ids` to it)."""
     t0 = time.perf_counter()
     for i in range(next_ids.shape[1]):
-        model(input_ids=next_ids[:, i : i + 1], past_key_values=cache, use_cache=True)
+        model(input_ids=next_ids[:, i : i + 1], **cache_kwargs(cache), use_cache=True)
     return next_ids.shape[1] / (time.perf_counter() - t0)
 
 

@@ -31,6 +31,7 @@ from hf_kvcache import codec
 from hf_kvcache.caches import TieredQuantCache, UniformQuantCache
 from hf_kvcache.caches.tiered import ROTATIONS
 from hf_kvcache.codec.layers import set_dynamic_layer
+from hf_kvcache.transformers_compat import cache_kwargs
 
 from .assets import load_model, load_text, load_tokens
 from .perplexity import streaming_perplexity
@@ -51,7 +52,7 @@ def _prefill(model, ids: torch.Tensor, cache, step: int = 512, desc: str = "pref
 
     with torch.inference_mode():
         for s in tqdm(range(0, ids.shape[1], step), desc=desc, leave=False, unit="chunk"):
-            model(ids[:, s : s + step], past_key_values=cache, use_cache=True)
+            model(ids[:, s : s + step], **cache_kwargs(cache), use_cache=True)
     return cache
 
 
@@ -186,14 +187,14 @@ def run_ttft(model, tok, text: str, start: int, context: int, suffix: int, optio
     ids = load_tokens(tok, load_text(text), start, context + suffix)
     cache = DynamicCache(config=cfg)
     t0 = time.perf_counter()
-    full_logits = model(ids, past_key_values=cache, use_cache=True).logits[:, -1]
+    full_logits = model(ids, **cache_kwargs(cache), use_cache=True).logits[:, -1]
     full_s = time.perf_counter() - t0
     cache.crop(-suffix)
     blob = codec.encode(cache, config=cfg, **options)
     t0 = time.perf_counter()
     hit = codec.decode(blob, config=cfg)
     dec_s = time.perf_counter() - t0
-    hit_logits = model(ids[:, context:], past_key_values=hit, use_cache=True).logits[:, -1]
+    hit_logits = model(ids[:, context:], **cache_kwargs(hit), use_cache=True).logits[:, -1]
     hit_s = time.perf_counter() - t0
     same = bool(full_logits.argmax(-1).eq(hit_logits.argmax(-1)).all())
     return {"context": context, "suffix": suffix, "full_prefill_s": full_s, "hit_s": hit_s, "decode_s": dec_s,

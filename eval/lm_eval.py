@@ -51,6 +51,7 @@ from hf_kvcache.registry import attached
 from hf_kvcache.options import parse_options_json
 from hf_kvcache.eval.assets import model_dir
 from hf_kvcache.registry import build_cache, cache_names
+from hf_kvcache.transformers_compat import cache_kwargs
 
 MODEL_NAME = "hf-kvcache"
 DYNAMIC = "dynamic"
@@ -168,7 +169,7 @@ class HFKVCacheLM(HFLM):
                 dtype=self.mixed_precision_dtype,
                 enabled=self.mixed_precision_dtype is not None,
             ):
-                logits = self.model(input_ids=ids, past_key_values=cache, use_cache=True).logits[0]
+                logits = self.model(input_ids=ids, **cache_kwargs(cache), use_cache=True).logits[0]
             lo = max(a, min(s.first for s in scored))
             if lo >= b:
                 continue
@@ -242,7 +243,7 @@ class HFKVCacheLM(HFLM):
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any):
         """`hf`'s generation with a fresh cache of this model's kind as `past_key_values` (the prompt is prefilled in
         one pass, as `generate` does)."""
-        generation_kwargs["past_key_values"] = self.new_cache()
+        generation_kwargs.update(cache_kwargs(self.new_cache()))
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 
 

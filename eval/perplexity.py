@@ -12,6 +12,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_kvcache.caches.base import memory_stats
+from hf_kvcache.transformers_compat import cache_kwargs
 
 
 @dataclass
@@ -70,7 +71,7 @@ def streaming_perplexity(
     t0 = time.perf_counter()
     for start in starts:
         chunk = input_ids[:, start : start + chunk_size]
-        logits = model(input_ids=chunk, past_key_values=cache, use_cache=True).logits[0].float()
+        logits = model(input_ids=chunk, **cache_kwargs(cache), use_cache=True).logits[0].float()
         preds = logits[:-1] if last_logits is None else torch.cat([last_logits, logits[:-1]])
         targets = chunk[0, 1:] if last_logits is None else chunk[0]
         if nll_block is None:  # one fused sum per chunk (a sum of the per-token losses rounds differently)

@@ -14,22 +14,16 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import transformers
 from transformers import GenerationMixin, PreTrainedConfig
 from transformers.cache_utils import Cache
 from transformers.generation import configuration_utils as gen_config
 
 from .caches.base import CompressedCache
+from .transformers_compat import CACHE_KWARG
 
 CacheFactory = Callable[..., Cache]
 _FACTORIES: dict[str, CacheFactory] = {}
 _installed = False
-# The key under which generate's model kwargs carry the cache: transformers 5.24 renamed `past_key_values` to `cache`
-# (the old keyword is still accepted by generate and forward, renamed on the way in).
-TRANSFORMERS_VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
-CACHE_KWARG = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
-
-
 def register_cache(name: str, factory: CacheFactory) -> None:
     """Make `cache_implementation=name` build `factory(config=..., **cache_config)`."""
     if name in gen_config.ALL_CACHE_IMPLEMENTATIONS and name not in _FACTORIES:

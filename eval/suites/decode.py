@@ -37,6 +37,7 @@ from hf_kvcache.kernels import native
 from hf_kvcache.kernels.blockwise import scratch_bytes
 
 from hf_kvcache.caches.base import memory_stats
+from hf_kvcache.transformers_compat import cache_kwargs
 
 from ..assets import load_model, load_text, load_tokens
 from ..bench import CacheSpec, parse_specs
@@ -104,7 +105,7 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
             model.set_attn_implementation(v.attn)
             with v.running():
                 t0 = time.perf_counter()
-                model(input_ids=ids[:, s : min(s + chunk, context)], past_key_values=caches[v.label], use_cache=True)
+                model(input_ids=ids[:, s : min(s + chunk, context)], **cache_kwargs(caches[v.label]), use_cache=True)
                 if ids.is_cuda:
                     torch.cuda.synchronize()
                 prefill[v.label] += time.perf_counter() - t0
@@ -117,7 +118,7 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
                 with v.running():
                     for i in range(r0, min(r0 + round_steps, steps)):
                         t0 = time.perf_counter()
-                        model(input_ids=step_ids[:, i : i + 1], past_key_values=caches[v.label], use_cache=True)
+                        model(input_ids=step_ids[:, i : i + 1], **cache_kwargs(caches[v.label]), use_cache=True)
                         if ids.is_cuda:
                             torch.cuda.synchronize()
                         times[v.label].append(time.perf_counter() - t0)
@@ -127,7 +128,7 @@ def measure_interleaved(model, chosen: list[Variant], ids: torch.Tensor, context
             cache = caches[v.label]
 
             def one_step(cache=cache) -> None:
-                model(input_ids=step_ids[:, steps : steps + 1], past_key_values=cache, use_cache=True)
+                model(input_ids=step_ids[:, steps : steps + 1], **cache_kwargs(cache), use_cache=True)
 
             with v.running():
                 peak = gpu_peak_bytes(one_step) if ids.is_cuda else cpu_peak_bytes(one_step)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from hf_kvcache.transformers_compat import cache_kwargs
+
 from ..assets import load_model, load_text, load_tokens
 from ..bench import CacheSpec, parse_specs
 from ..rows import Row, make_row
@@ -59,7 +61,7 @@ def greedy_rows(specs: list[CacheSpec], model_name: str, text: str = "moby-dick"
     ids = load_tokens(tokenizer, load_text(text), start, prompt_tokens)
     generate = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                     attention_mask=torch.ones_like(ids), pad_token_id=tokenizer.eos_token_id)
-    out = model.generate(ids, past_key_values=DynamicCache(config=model.config), output_scores=True,
+    out = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), output_scores=True,
                          return_dict_in_generate=True, **generate)
     reference = out.sequences[0, prompt_tokens:]
     gaps = []
@@ -69,7 +71,7 @@ def greedy_rows(specs: list[CacheSpec], model_name: str, text: str = "moby-dick"
     rows = []
     for spec in specs:
         t0 = time.perf_counter()
-        seq = model.generate(ids, past_key_values=spec.build(model), **generate)[0, prompt_tokens:]
+        seq = model.generate(ids, **cache_kwargs(spec.build(model)), **generate)[0, prompt_tokens:]
         rows.append({"cache": spec.label, "same": agreement(reference, seq), "new_tokens": new_tokens,
                      "seconds": time.perf_counter() - t0})
     return rows, gaps

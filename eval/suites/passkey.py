@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from hf_kvcache.transformers_compat import cache_kwargs
+
 from ..assets import load_model, load_text
 from ..bench import CacheSpec, parse_specs
 from ..haystack import filler_window, nearest_split, sentence_splits
@@ -167,7 +169,7 @@ def gold_nll(model, cache, lead_ids: list[int], gold_ids: list[int], first_logit
             scored.unbind()
         with attached(model, scored):
             for ids in steps:
-                out = model(input_ids=torch.tensor([ids], device=model.device), past_key_values=scored,
+                out = model(input_ids=torch.tensor([ids], device=model.device), **cache_kwargs(scored),
                             use_cache=True, logits_to_keep=1).logits
                 logits.append(out[0, -1].float())
     gold = torch.tensor(gold_ids, device=model.device)
@@ -232,12 +234,12 @@ def answer(
             if not replayed:
                 with prefill.recording(cache) if record else contextlib.nullcontext():  # type: ignore[union-attr]
                     for s in range(0, context.shape[1], step):
-                        model(input_ids=context[:, s : s + step], past_key_values=cache, use_cache=True,
+                        model(input_ids=context[:, s : s + step], **cache_kwargs(cache), use_cache=True,
                               logits_to_keep=1)
         held = _held(cache)  # after the context: the question has not been seen
         nll = None if not gold_ids else gold_nll(model, cache, question_ids, gold_ids)
         out = model.generate(
-            full, attention_mask=torch.ones_like(full), past_key_values=cache, max_new_tokens=new_tokens,
+            full, attention_mask=torch.ones_like(full), **cache_kwargs(cache), max_new_tokens=new_tokens,
             do_sample=False, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0,
         )
     return Answer(tokenizer.decode(out[0, full.shape[1] :], skip_special_tokens=True), *held, *_held(cache)[1:],
@@ -284,7 +286,7 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
         else:
             with prefill.recording(cache) if record else contextlib.nullcontext():  # type: ignore[union-attr]
                 for s in range(0, full.shape[1], step):
-                    logits = model(input_ids=full[:, s : s + step], past_key_values=cache, use_cache=True,
+                    logits = model(input_ids=full[:, s : s + step], **cache_kwargs(cache), use_cache=True,
                                    logits_to_keep=1).logits
             if record:
                 prefill.logits = logits[0, -1]  # type: ignore[union-attr]
@@ -299,7 +301,7 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
             tokens.append(nxt)
             if nxt == tokenizer.eos_token_id or len(tokens) == new_tokens:
                 break
-            logits = model(input_ids=torch.tensor([[nxt]], device=full.device), past_key_values=cache,
+            logits = model(input_ids=torch.tensor([[nxt]], device=full.device), **cache_kwargs(cache),
                            use_cache=True).logits
             nxt = int(logits[0, -1].argmax())
     return Answer(tokenizer.decode(tokens, skip_special_tokens=True), *held, *_held(cache)[1:], replayed=replayed,

@@ -18,6 +18,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from hf_kvcache.transformers_compat import cache_kwargs
+
 from ..isolated import in_fresh_process, peak_since_kib, reset_peak_kib
 from ..rows import Row, make_row
 from .options import SuiteOptions, new_tokens_option
@@ -59,7 +61,7 @@ def measure_one(model_name: str, spec: str, tokens: int, new: int, text: str, st
     before = reset_peak_kib()  # the baseline is what is live now
     t0 = time.perf_counter()
     with torch.no_grad():
-        kwargs = {} if cache is None else {"past_key_values": cache}
+        kwargs = {} if cache is None else cache_kwargs(cache)
         if spec == CHUNKED:  # DynamicCache with the same chunked prefill our caches use
             kwargs["prefill_chunk_size"] = chunk or CompressedCache.prefill_chunk_size
         out = model.generate(ids, max_new_tokens=new, do_sample=False, **kwargs)

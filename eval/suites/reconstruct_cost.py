@@ -23,6 +23,8 @@ import os
 import time
 from dataclasses import dataclass
 
+from hf_kvcache.transformers_compat import cache_kwargs
+
 from ..bench import CacheSpec, parse_specs
 from ..isolated import in_fresh_process, peak_since_kib, reset_peak_kib
 from ..rows import Row, make_row
@@ -66,18 +68,18 @@ def measure(model_name: str, tokens: int, spec: str | None) -> dict:
     ids = tokenizer(load_text("moby-dick")[200_000:], add_special_tokens=False).input_ids[:tokens]
     context = torch.tensor([ids])
     torch.set_grad_enabled(False)
-    model(context[:, :64], past_key_values=DynamicCache(config=model.config), use_cache=True)  # first-call setup
+    model(context[:, :64], **cache_kwargs(DynamicCache(config=model.config)), use_cache=True)  # first-call setup
     base = reset_peak_kib()
     out: dict = {}
     t0 = time.perf_counter()
     if spec is None:
-        model(context, past_key_values=DynamicCache(config=model.config), use_cache=True, logits_to_keep=1)
+        model(context, **cache_kwargs(DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
     else:
         cache = CacheSpec.parse(spec).build(model)
         prompt = reconstruction_prompt_ids(tokenizer)
         with attached(model, cache):
             with held_for_scoring(model, cache, context, prompt):
-                model(context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+                model(context, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
                 out["prefill_seconds"] = time.perf_counter() - t0
         if scored_layers(cache):
             out["score_seconds"] = time.perf_counter() - t0 - out["prefill_seconds"]

@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from hf_kvcache.transformers_compat import CACHE_KWARG
+
 from ..assets import load_model, load_text, load_tokens
 from ..bench import parse_specs
 from ..rows import Row, make_row
@@ -62,7 +64,7 @@ def run(opts: SharedPrefixOptions) -> list[Row]:
                                  cache_implementation=spec.name, cache_config=dict(spec.options),
                                  return_dict_in_generate=True)
         seconds = time.perf_counter() - start
-        stats = out.past_key_values.memory_stats()
+        stats = getattr(out, CACHE_KWARG).memory_stats()
         generated = out.sequences[:, prompt_tokens:]
         first = rows[0]["bytes"] if rows else stats["bytes"]
         rows.append(make_row(

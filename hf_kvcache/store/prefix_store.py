@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, DynamicCache
 from .. import codec
 from .backends import Backend, MemoryBackend
 from .radix import RadixTree
+from ..transformers_compat import cache_kwargs
 
 ID_BYTES = 4  # bytes accounted per token of an id-only entry
 
@@ -79,7 +80,7 @@ class CostModel:
                             generator=torch.Generator().manual_seed(0)).to(model.device)
         cache = DynamicCache(config=model.config)
         t0 = time.perf_counter()
-        model(ids, past_key_values=cache, use_cache=True)
+        model(ids, **cache_kwargs(cache), use_cache=True)
         prefill = time.perf_counter() - t0
         blob = codec.encode(cache, config=model.config, **encode_options)
         t0 = time.perf_counter()
@@ -378,11 +379,11 @@ class PrefixStore:
         if ids.shape[1] - 1 > start:  # prefill all but the last prompt token here, timed for the cost model
             t0 = time.perf_counter()
             with torch.inference_mode():
-                model(ids[:, start:-1], past_key_values=cache, use_cache=True)
+                model(ids[:, start:-1], **cache_kwargs(cache), use_cache=True)
             with self._lock:
                 self.cost.observe_prefill(ids.shape[1] - 1 - start, time.perf_counter() - t0)
         self.insert(ids, cache, config=model.config)  # snapshot now: generate appends to the cache afterwards
-        return model.generate(ids, past_key_values=cache, **generate_kwargs)
+        return model.generate(ids, **cache_kwargs(cache), **generate_kwargs)
 
     def close(self) -> None:
         """Wait for pending inserts, stop the worker and close the backend."""

@@ -35,6 +35,7 @@ import torch
 
 from ...policy.base import INF
 from ...policy.reconstruct import reconstruction_scores
+from ...transformers_compat import cache_kwargs
 from .layer import H2OLayer
 
 if TYPE_CHECKING:
@@ -144,7 +145,7 @@ def score_context(model: Any, cache: "H2OCache", context_ids: torch.Tensor | Seq
                                            (start, end) if local else None, policy.sink_count)
         try:
             model(input_ids=span, attention_mask=torch.cat([seen_mask, span_mask], 1), position_ids=positions,
-                  past_key_values=cache, use_cache=True, logits_to_keep=1)
+                  **cache_kwargs(cache), use_cache=True, logits_to_keep=1)
             best = [layer.scoring.best for layer in layers]
         finally:
             _restore(saved)
