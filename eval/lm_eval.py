@@ -241,8 +241,8 @@ class HFKVCacheLM(HFLM):
 
     # ---- generation -----------------------------------------------------------------------------------------------
     def _model_generate(self, context: torch.Tensor, max_length: int, stop: list[str], **generation_kwargs: Any):
-        """`hf`'s generation with a fresh cache of this model's kind as `past_key_values` (the prompt is prefilled in
-        one pass, as `generate` does)."""
+        """`hf`'s generation with a fresh cache of this model's kind (under this transformers version's cache
+        keyword; the prompt is prefilled in one pass, as `generate` does)."""
         generation_kwargs.update(cache_kwargs(self.new_cache()))
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
 

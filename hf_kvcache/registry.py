@@ -24,6 +24,8 @@ from .transformers_compat import CACHE_KWARG
 CacheFactory = Callable[..., Cache]
 _FACTORIES: dict[str, CacheFactory] = {}
 _installed = False
+
+
 def register_cache(name: str, factory: CacheFactory) -> None:
     """Make `cache_implementation=name` build `factory(config=..., **cache_config)`."""
     if name in gen_config.ALL_CACHE_IMPLEMENTATIONS and name not in _FACTORIES:

@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+import inspect
 import warnings
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, LlamaForCausalLM
 
 from hf_kvcache.caches import UniformQuantCache
 from hf_kvcache.eval.perplexity import streaming_perplexity
-from hf_kvcache.transformers_compat import CACHE_KWARG, TRANSFORMERS_VERSION, cache_kwargs
+from hf_kvcache.transformers_compat import CACHE_KWARG, cache_kwargs
 from models import tiny_llama
 
 
-def test_the_keyword_follows_the_installed_version() -> None:
-    expected = "cache" if TRANSFORMERS_VERSION >= (5, 24) else "past_key_values"
+def test_the_keyword_is_the_one_the_installed_forward_declares() -> None:
+    expected = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters else "past_key_values"
     cache = DynamicCache()
     assert CACHE_KWARG == expected
     assert cache_kwargs(cache) == {expected: cache}
