@@ -28,16 +28,26 @@ class CacheSpec:
     name: str
     options: dict = field(default_factory=dict)
     label: str = ""
+    lookahead: int = 0  # h2o, question-aware suites: draft tokens scored with the question (`evict_with_lookahead`)
+
+    def __post_init__(self) -> None:
+        if self.lookahead and (self.name != "h2o" or isinstance(self.lookahead, bool)
+                               or not isinstance(self.lookahead, int) or self.lookahead < 0):
+            raise ValueError(f"lookahead (draft tokens scored beside the question) is an int >= 0 for an h2o cache; "
+                             f"got {self.lookahead!r} for {self.name!r}")
 
     @classmethod
     def parse(cls, text: str) -> "CacheSpec":
-        """`name` or `name:{json options}` or `label=name:{json}`."""
+        """`name` or `name:{json options}` or `label=name:{json}`; an h2o spec's `"lookahead"` key is not a cache
+        option but the draft tokens of the question-aware suites' eviction (`evict_with_lookahead`)."""
         label = ""
         if "=" in text.split(":", 1)[0]:
             label, text = text.split("=", 1)
         name, _, opts = text.partition(":")
         options = parse_options_json(opts, f"the options of {name!r}")
-        return cls(name, options, label or (name if not options else f"{name} {json.dumps(options)}"))
+        lookahead = options.pop("lookahead", 0) if name == "h2o" else 0
+        shown = {**options, "lookahead": lookahead} if lookahead else options
+        return cls(name, options, label or (name if not shown else f"{name} {json.dumps(shown)}"), lookahead)
 
     def build(self, model) -> Cache:
         if self.name == "dynamic":

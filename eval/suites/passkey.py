@@ -219,6 +219,9 @@ def answer(
     from hf_kvcache.registry import attached
 
     check_mode(mode)
+    if spec.lookahead and mode != "question":
+        raise ValueError(f"{spec.label}: lookahead drafts the answer after the question is prefilled, which only the "
+                         "question-aware mode does: use mode='question', or drop lookahead")
     if mode == "question":
         return _answer_question_aware(model, tokenizer, spec, context_ids, question_ids, new_tokens, chunk, prefill,
                                       gold_ids)
@@ -268,6 +271,7 @@ def _take_prefill(prefill: PrefillReplay | None, ids: list[int], step: int, cach
 def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[int], question_ids: list[int],
                            new_tokens: int, chunk: int, prefill: PrefillReplay | None = None,
                            gold_ids: list[int] | None = None) -> Answer:
+    from hf_kvcache.caches.evict.lookahead import evict_with_lookahead
     from hf_kvcache.caches.evict.reconstruct import reconstruction_prompt_ids, score_context, scored_layers
     from hf_kvcache.registry import attached
 
@@ -293,7 +297,10 @@ def _answer_question_aware(model, tokenizer, spec: CacheSpec, context_ids: list[
         if keep is not None:
             if scored_layers(cache):  # scored by reconstruction: the context is repeated, the question is not
                 score_context(model, cache, full[:, :n], reconstruction_prompt_ids(tokenizer))
-            cache.evict_to(keep, protect_last=q)  # the question has been seen: down to the budget, question kept
+            if spec.lookahead:  # scored with the question's queries and those of the model's draft answer
+                evict_with_lookahead(model, cache, logits[:, -1], keep, q, spec.lookahead)
+            else:
+                cache.evict_to(keep, protect_last=q)  # the question has been seen: down to the budget, question kept
         held = _held(cache)
         nll = None if not gold_ids else gold_nll(model, cache, [], gold_ids, first_logits=logits[0, -1])
         nxt = int(logits[0, -1].argmax())
@@ -383,7 +390,8 @@ def with_budgets(specs: list[CacheSpec], budgets: list[float], model) -> list[Ca
         takers += 1
         for b in budgets:
             value = int(b) if b > 1 and float(b).is_integer() else b  # 256 tokens, or 0.2 of the tokens seen
-            out.append(CacheSpec(spec.name, {**spec.options, "budget": value}, f"{spec.label} budget={b:g}"))
+            out.append(dataclasses.replace(spec, options={**spec.options, "budget": value},
+                                           label=f"{spec.label} budget={b:g}"))
     if not takers:
         raise ValueError("--budgets applies to caches with a budget option (h2o) that do not set their own; none of "
                          "--caches is one: add one, e.g. --caches dynamic h2o")
