@@ -14,7 +14,10 @@ policy, which needs the attention mass: the `"hf_kvcache"` attention), `reconstr
 `reconstruct` policy: the prefill, then `score_context` in `--chunk`-token forwards (512), then the eviction; its row
 splits the seconds into `prefill_seconds` and `score_seconds`). The budget is 25 % of the tokens. Any `--caches`
 spec adds a row of its own, measured the same way under `attached`: a cache scored by reconstruction (e.g. an `h2o`
-cache with another `reconstruct` setting) is held, scored and evicted, its seconds split as above.
+cache with another `reconstruct` setting) is held, scored and evicted, its seconds split as above; an `h2o` spec with
+`"lookahead"` is built as the question-aware mode builds it (the context's last 32 tokens standing for the question),
+prefilled, then evicted by `evict_with_lookahead` (`score_seconds`: the draft over a copy of the cache, and the
+eviction; the peak includes the copy).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .options import SuiteOptions, option
 VARIANTS = ("plain", "evict", "reconstruct")
 DEFAULT_TOKENS = 2048
 DEFAULT_CHUNK = 512
+QUESTION_TOKENS = 32  # a `lookahead` spec: the context's last tokens stand for the question
 
 
 @dataclass
@@ -74,6 +78,8 @@ def measure(model_name: str, tokens: int, spec: str | None) -> dict:
     t0 = time.perf_counter()
     if spec is None:
         model(context, **cache_kwargs(DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
+    elif CacheSpec.parse(spec).lookahead:
+        out.update(_lookahead_prefill(model, CacheSpec.parse(spec), context, t0))
     else:
         cache = CacheSpec.parse(spec).build(model)
         prompt = reconstruction_prompt_ids(tokenizer)
@@ -86,6 +92,24 @@ def measure(model_name: str, tokens: int, spec: str | None) -> dict:
     out["seconds"] = time.perf_counter() - t0
     out["peak_mib"] = peak_since_kib(base) / 1024
     return out
+
+
+def _lookahead_prefill(model, spec: CacheSpec, context, t0: float) -> dict:
+    """A spec with `lookahead` (module docstring): its cache built as the question-aware mode builds it, the last
+    `QUESTION_TOKENS` of the context standing for the question; the prefill, then `evict_with_lookahead`. Seconds
+    of each since `t0`."""
+    from hf_kvcache.caches.evict.lookahead import evict_with_lookahead
+    from hf_kvcache.registry import attached
+
+    from .passkey import question_aware_cache
+
+    n = context.shape[1]
+    cache, keep = question_aware_cache(model, spec, n - QUESTION_TOKENS, QUESTION_TOKENS)
+    with attached(model, cache):
+        logits = model(context, **cache_kwargs(cache), use_cache=True, logits_to_keep=1).logits
+        prefill = time.perf_counter() - t0
+        evict_with_lookahead(model, cache, logits[:, -1], keep, QUESTION_TOKENS, spec.lookahead)
+    return {"prefill_seconds": prefill, "score_seconds": time.perf_counter() - t0 - prefill}
 
 
 def run(opts: ReconstructCostOptions) -> list[Row]:

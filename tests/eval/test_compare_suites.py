@@ -281,11 +281,12 @@ def test_prefill_memory_and_reconstruct_cost_measure_each_row_in_a_fresh_process
     path = tmp_path / "cost.json"
     spec = 'span=h2o:{"budget": 0.5, "policy": {"name": "reconstruct", "chunk": 32, "scope": "span"}}'
     assert main(["compare", "--suite", "reconstruct-cost", "--tokens", "96", "--chunk", "48", "--variants", "plain",
-                 "reconstruct", "--caches", spec, "int8", "--json", str(path)]) == 0
-    plain, scored, span, int8 = json.loads(path.read_text())
-    assert [r["cache"] for r in (plain, scored, span, int8)] == ["plain", "reconstruct", "span", "int8"]
+                 "reconstruct", "--caches", spec, "int8", 'la=h2o:{"budget": 0.25, "policy": "snapkv", "lookahead": 2}',
+                 "--json", str(path)]) == 0
+    plain, scored, span, int8, draft = json.loads(path.read_text())
+    assert [r["cache"] for r in (plain, scored, span, int8, draft)] == ["plain", "reconstruct", "span", "int8", "la"]
     assert scored["peak_mib"] > 0 and "score_seconds" not in plain and "score_seconds" not in int8
-    for row in (scored, span):
+    for row in (scored, span, draft):
         assert row["seconds"] >= row["prefill_seconds"] > 0 and row["score_seconds"] > 0
 
 

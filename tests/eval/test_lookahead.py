@@ -5,11 +5,11 @@ import math
 
 import pytest
 import torch
+from hf_kvcache.eval.bench import CacheSpec
+from hf_kvcache.eval.suites.passkey import make_trials, question_aware_cache, run_trial
 from transformers import DynamicCache
 
 from hf_kvcache.caches.evict.lookahead import evict_with_lookahead
-from hf_kvcache.eval.bench import CacheSpec
-from hf_kvcache.eval.suites.passkey import make_trials, question_aware_cache, run_trial
 from hf_kvcache.registry import attached
 
 SNAP = 'h2o:{"budget":0.2,"policy":"snapkv","pool":15,"pool_mode":"max"}'

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .cache import H2OCache
 
 
-def _window_layers(cache: "H2OCache", protect_last: int) -> list[H2OLayer]:
+def _window_layers(cache: H2OCache, protect_last: int) -> list[H2OLayer]:
     """The cache's evicting layers that hold tokens, checked for a lookahead eviction (see `evict_with_lookahead`)."""
     layers = [layer for layer in cache.layers if isinstance(layer, H2OLayer) and layer.slots is not None]
     if not layers:
@@ -52,7 +52,7 @@ def _window_layers(cache: "H2OCache", protect_last: int) -> list[H2OLayer]:
 
 
 @torch.inference_mode()
-def evict_with_lookahead(model, cache: "H2OCache", logits: torch.Tensor, tokens: int, protect_last: int,
+def evict_with_lookahead(model, cache: H2OCache, logits: torch.Tensor, tokens: int, protect_last: int,
                          lookahead: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Evict `cache` to `tokens` slots per (row, KV head) as `H2OCache.evict_to(tokens, protect_last)` does, each
     layer's policy reading the queries of its newest `protect_last` positions (the question) and of `lookahead` tokens
