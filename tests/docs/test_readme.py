@@ -3,6 +3,7 @@
 import contextlib
 import io
 import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -32,12 +33,13 @@ def test_relative_links_resolve(page):
 
 @pytest.mark.slow
 def test_quick_start_runs():
-    """Every ```python block of the README, run as written (SmolLM2-135M, a few generate calls)."""
+    """Every ```python block of the README, run as written (SmolLM2-135M, a few generate calls; a block inside a list
+    item is dedented)."""
     blocks = re.findall(r"```python\n(.*?)```", README, re.DOTALL)
     assert blocks
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         for block in blocks:
-            exec(compile(block, "README.md", "exec"), {})
+            exec(compile(textwrap.dedent(block), "README.md", "exec"), {})
     printed = out.getvalue()
     assert "'ratio':" in printed and "'bytes':" in printed  # cache.memory_stats()
