@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from .cache import H2OCache
 
 
-def _window_layers(cache: H2OCache, protect_last: int) -> list[H2OLayer]:
+def _window_layers(cache: H2OCache) -> list[H2OLayer]:
     """The cache's evicting layers that hold tokens, checked for a lookahead eviction (see `evict_with_lookahead`)."""
     layers = [layer for layer in cache.layers if isinstance(layer, H2OLayer) and layer.slots is not None]
     if not layers:
@@ -42,9 +42,6 @@ def _window_layers(cache: H2OCache, protect_last: int) -> list[H2OLayer]:
             raise ValueError(
                 f"evict_with_lookahead scores with the queries of the question and the draft, which policy "
                 f"{layer.policy.core.name!r} does not read: use a window policy (snapkv, tova)")
-        if layer.window < protect_last:
-            raise ValueError(f"the policy's window ({layer.window}) is shorter than the question (protect_last="
-                             f"{protect_last}): build the cache with window >= the question's tokens")
         if layer._dropped():
             raise ValueError("evict_with_lookahead scores a cache that evicted nothing yet: build it with "
                              "budget=1.0 (it then never evicts by itself)")
@@ -55,13 +52,12 @@ def _window_layers(cache: H2OCache, protect_last: int) -> list[H2OLayer]:
 def evict_with_lookahead(model, cache: H2OCache, logits: torch.Tensor, tokens: int, protect_last: int,
                          lookahead: int, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Evict `cache` to `tokens` slots per (row, KV head) as `H2OCache.evict_to(tokens, protect_last)` does, each
-    layer's policy reading the queries of its newest `protect_last` positions (the question) and of `lookahead` tokens
-    the model drafts greedily over a copy of the full cache (see the module docstring).
+    layer's policy reading the queries of its window (SnapKV with `window` = the question's tokens: the question's)
+    and those of `lookahead` tokens the model drafts greedily over a copy of the full cache (module docstring).
 
     Args:
         model: the model that filled `cache`, under the `"hf_kvcache"` attention (`hf_kvcache.attached`).
-        cache: an `H2OCache` with a window policy whose `window` >= `protect_last`, that evicted nothing yet
-            (`budget=1.0`).
+        cache: an `H2OCache` with a window policy (snapkv, tova) that evicted nothing yet (`budget=1.0`).
         logits: `[batch, vocab]` the logits of the last prefilled position (they give the draft's first token).
         tokens: slots kept per (row, KV head), as in `evict_to`.
         protect_last: the newest tokens kept whatever their score (the question).
@@ -76,7 +72,7 @@ def evict_with_lookahead(model, cache: H2OCache, logits: torch.Tensor, tokens: i
         raise ValueError(f"lookahead is the number of draft tokens, an int >= 1; got {lookahead!r}")
     if logits.dim() != 2:
         raise ValueError(f"logits are the last position's [batch, vocab]; got shape {tuple(logits.shape)}")
-    layers = _window_layers(cache, protect_last)
+    layers = _window_layers(cache)
     draft_cache = copy.deepcopy(cache)
     by_index = {id(layer): i for i, layer in enumerate(cache.layers)}
     draft_layers = [draft_cache.layers[by_index[id(layer)]] for layer in layers]
