@@ -12,7 +12,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import Cache
 
-from hf_kvcache.options import parse_options_json
+from hf_kvcache.options import check_int, parse_options_json
 from hf_kvcache.attention.plain import unserved
 from hf_kvcache.registry import attached, build_cache, cache_names
 from hf_kvcache.transformers_compat import cache_kwargs
@@ -31,9 +31,9 @@ class CacheSpec:
     lookahead: int = 0  # h2o, question-aware suites: draft tokens scored with the question (`evict_with_lookahead`)
 
     def __post_init__(self) -> None:
-        if self.lookahead and (self.name != "h2o" or isinstance(self.lookahead, bool)
-                               or not isinstance(self.lookahead, int) or self.lookahead < 0):
-            raise ValueError(f"lookahead (draft tokens scored beside the question) is an int >= 0 for an h2o cache; "
+        check_int("lookahead", self.lookahead, lo=0, hint=" (draft tokens scored beside the question)")
+        if self.lookahead and self.name != "h2o":
+            raise ValueError(f"lookahead (draft tokens scored beside the question) is for an h2o cache; "
                              f"got {self.lookahead!r} for {self.name!r}")
 
     @classmethod

@@ -76,12 +76,13 @@ def measure(model_name: str, tokens: int, spec: str | None) -> dict:
     base = reset_peak_kib()
     out: dict = {}
     t0 = time.perf_counter()
-    if spec is None:
+    parsed = None if spec is None else CacheSpec.parse(spec)
+    if parsed is None:
         model(context, **cache_kwargs(DynamicCache(config=model.config)), use_cache=True, logits_to_keep=1)
-    elif CacheSpec.parse(spec).lookahead:
-        out.update(_lookahead_prefill(model, CacheSpec.parse(spec), context, t0))
+    elif parsed.lookahead:
+        out.update(_lookahead_prefill(model, parsed, context, t0))
     else:
-        cache = CacheSpec.parse(spec).build(model)
+        cache = parsed.build(model)
         prompt = reconstruction_prompt_ids(tokenizer)
         with attached(model, cache):
             with held_for_scoring(model, cache, context, prompt):

@@ -26,7 +26,7 @@ def _prefilled(model, trial, spec_text: str = SNAP):
     ids = torch.tensor([trial.context_ids + trial.question_ids])
     with attached(model, cache):
         logits = model(ids, past_key_values=cache).logits[:, -1]
-    return cache, keep, logits, ids
+    return cache, keep, logits
 
 
 def test_lookahead_drafts_greedily_and_keeps_the_question(smol, trial, single_thread):
@@ -39,7 +39,7 @@ def test_lookahead_drafts_greedily_and_keeps_the_question(smol, trial, single_th
         for _ in range(k):
             greedy.append(nxt)
             nxt = model(nxt, past_key_values=ref).logits[:, -1].argmax(-1, keepdim=True)
-        cache, keep, logits, _ = _prefilled(model, trial)
+        cache, keep, logits = _prefilled(model, trial)
         with attached(model, cache):
             plain = copy.deepcopy(cache)
             drafted = evict_with_lookahead(model, cache, logits, keep, q, k)
@@ -78,12 +78,12 @@ def test_lookahead_errors(smol, trial):
     with pytest.raises(ValueError, match="lookahead .* for 'int8'"):
         CacheSpec("int8", {}, "int8", 4)
     with torch.inference_mode():
-        cache, keep, logits, _ = _prefilled(model, trial, 'h2o:{"budget":0.2,"policy":"h2o"}')
+        cache, keep, logits = _prefilled(model, trial, 'h2o:{"budget":0.2,"policy":"h2o"}')
         with attached(model, cache), pytest.raises(ValueError, match="use a window policy"):
             evict_with_lookahead(model, cache, logits, keep, q, 4)
-        cache, keep, logits, _ = _prefilled(model, trial)
+        cache, keep, logits = _prefilled(model, trial)
         with attached(model, cache):
-            with pytest.raises(ValueError, match="an int >= 1"):
+            with pytest.raises(ValueError, match="lookahead must be a positive integer"):
                 evict_with_lookahead(model, cache, logits, keep, q, 0)
             cache.evict_to(keep, protect_last=q)
             with pytest.raises(ValueError, match="evicted nothing yet"):

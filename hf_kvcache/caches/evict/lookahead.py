@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ...options import check_int
 from ...transformers_compat import cache_kwargs
 from .layer import H2OLayer
 
@@ -68,14 +69,12 @@ def evict_with_lookahead(model, cache: H2OCache, logits: torch.Tensor, tokens: i
     Returns:
         `[batch, lookahead]` the drafted token ids (the cache keeps neither them nor their keys).
     """
-    if isinstance(lookahead, bool) or not isinstance(lookahead, int) or lookahead < 1:
-        raise ValueError(f"lookahead is the number of draft tokens, an int >= 1; got {lookahead!r}")
+    check_int("lookahead", lookahead, lo=1, hint=" (the draft tokens)")
     if logits.dim() != 2:
         raise ValueError(f"logits are the last position's [batch, vocab]; got shape {tuple(logits.shape)}")
     layers = _window_layers(cache)
     draft_cache = copy.deepcopy(cache)
-    by_index = {id(layer): i for i, layer in enumerate(cache.layers)}
-    draft_layers = [draft_cache.layers[by_index[id(layer)]] for layer in layers]
+    draft_layers = [draft_cache.layers[cache.layers.index(layer)] for layer in layers]  # the same layers, copied
     for layer in draft_layers:  # the draft's ring keeps the question's queries and every draft token's
         layer.window = layer.window + lookahead
     drafted, nxt, mask = [], logits.argmax(-1, keepdim=True), attention_mask
