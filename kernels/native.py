@@ -47,7 +47,7 @@ def _compile() -> ctypes.CDLL:
     lib.native_supports.argtypes = [i] * 6
     lib.token_partial.restype = i
     lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
-                                  p, p, i64, p, p, i64, p, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
+                                  p, p, i64, p, p, i64, i64, p, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
     lib.token_max_dense.restype = i
@@ -226,23 +226,61 @@ def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
     return threads, chunks
 
 
-_last_angles = threading.local()  # (rope, positions, their version, a copy, cos, sin) of the last call
+_angle_tables = threading.local()  # {id(rope): (rope, cos, sin)}: see `_angles`
+_last_angles = threading.local()  # {id(rope): (rope, positions, their version, a copy, cos, sin)}: see `_angles`
 
 
-def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """cos and sin `[B or 1, D / 2, T]` of RoPE at `positions` (`[T]`, or `[B, 1, T]`: `T = tokens`), times its
-    attention scaling; the last table is reused while the same RoPE asks at the same positions (the layers of one
-    decode step: the same tensor, unchanged since, or equal values)."""
-    last = getattr(_last_angles, "value", None)
+    attention scaling, and their row stride (elements).
+
+    Consecutive positions shared by every row (a layer holding the newest tokens: every layer of every decode step)
+    are columns of this thread's table of positions `0..` kept per RoPE object (`[1, D / 2, capacity]`, grown to the
+    next power of two when asked past its end): no angle is computed again as the steps go. Other positions (per-row
+    padding, the slots an evicting cache kept) get a table of their own, reused while the same RoPE asks at the same
+    positions (the layers of one decode step). The same numbers either way: each angle is computed alone."""
+    start = _consecutive_start(positions)
+    if start is not None:
+        tables = _tables_of(_angle_tables, rope)
+        held = tables.get(id(rope))
+        if held is None or held[0] is not rope or held[1].shape[2] < start + tokens:
+            capacity = 1 << max(start + tokens - 1, 1).bit_length()
+            held = tables[id(rope)] = (rope, *_angle_table(rope, torch.arange(capacity).view(1, -1)))
+        return held[1][:, :, start : start + tokens], held[2][:, :, start : start + tokens], held[1].shape[2]
+    lasts = _tables_of(_last_angles, rope)
+    last = lasts.get(id(rope))
     if last is not None and last[0] is rope and (
         (last[1] is positions and last[2] == version_of(positions))
         or (last[3].shape == positions.shape and torch.equal(last[3], positions))
     ):
-        return last[4], last[5]
-    cos, sin = (t.mul(rope.scaling).transpose(1, 2).contiguous()
-                for t in rope.cos_sin_at(positions.reshape(-1, tokens)))
-    _last_angles.value = (rope, positions, version_of(positions), positions.clone(), cos, sin)
-    return cos, sin
+        return last[4], last[5], tokens
+    cos, sin = _angle_table(rope, positions.reshape(-1, tokens))
+    lasts[id(rope)] = (rope, positions, version_of(positions), positions.clone(), cos, sin)
+    return cos, sin, tokens
+
+
+def _tables_of(local: threading.local, rope) -> dict:
+    """This thread's dict in `local`, emptied before it would hold a fifth RoPE (a model has one per layer type: the
+    others are an earlier model's)."""
+    tables = getattr(local, "value", None)
+    if tables is None or (id(rope) not in tables and len(tables) >= 4):
+        tables = local.value = {}
+    return tables
+
+
+def _angle_table(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[B, D / 2, T]` (contiguous) of `positions [B, T]`, times the RoPE's attention scaling."""
+    return tuple(t.mul(rope.scaling).transpose(1, 2).contiguous() for t in rope.cos_sin_at(positions))
+
+
+def _consecutive_start(positions: torch.Tensor) -> int | None:
+    """The first of `positions` when they are `[T]` integers counting up by one from a position >= 0, else None."""
+    if positions.dim() != 1 or positions.numel() == 0 or positions.is_floating_point():
+        return None
+    start = int(positions[0])
+    if start < 0 or (positions.numel() > 1 and not bool((positions.diff() == 1).all())):
+        return None
+    return start
 
 
 def max_dense() -> int:
@@ -297,18 +335,18 @@ def _token_call(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | No
     (kc, klut), (vc, vlut) = _codes_and_table(seg.keys), _codes_and_table(seg.values)
     (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
     shift = scale = cos = sin = None
-    cs_sb = r_sb = 0
+    cs_sb = r_sb = r_st = 0
     codec = seg.key_codec
     if codec is not None:  # shift, scale [B or 1, H, 1, D]
         shift, scale = as_float32(codec.shift), as_float32(codec.scale)
         cs_sb = h * d if blocks_of(shift, h * d) > 1 else 0
-        cos, sin = _angles(codec.rope, seg.positions, t)
-        r_sb = (d // 2) * t if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T]
+        cos, sin, r_st = _angles(codec.rope, seg.positions, t)
+        r_sb = (d // 2) * r_st if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T] of rows r_st apart
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
-        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, _ptr(valid), _ptr(klut), _ptr(vlut),
+        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, r_st, _ptr(valid), _ptr(klut), _ptr(vlut),
         _ptr(dk), _ptr(dv), nd, chunks, torch.get_num_threads(), int(normalize), *ptrs, acc.data_ptr(),
     )
     if rc:

@@ -509,7 +509,8 @@ static void normalize_rows(int64_t rows, int D, const float* sum, float* acc) {
 /* The softmax partial over one segment of per-token key codes, as `quant_partial` (same outputs, chunks, work):
    ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
    strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
-   rc, rs [B or 1, D / 2, T] (batch stride r_sb: D / 2 T or 0). klut, vlut: [256] values of 8-bit float codes, or NULL
+   rc, rs [B or 1, D / 2, >= T] (token t of a row at column t; batch stride r_sb, row stride r_st >= T: a view of a
+   wider table of positions). klut, vlut: [256] values of 8-bit float codes, or NULL
    for integer codes. dk, dv [B, H, nd, D] float32 contiguous: nd <= MAXDENSE full-precision tokens after the codes,
    seen by every row (a decode step's new tokens; nd = 0: none), one more partial per row (cmx, csum and cacc hold
    chunks + 1 slots per row then). normalize: acc_out holds the normalized output acc / max(sum, 1e-30) instead
@@ -518,7 +519,7 @@ struct token_args {
     const float* q; int M, D, T, G, J;
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
     const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
-    const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb;
+    const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb, r_st;
     const uint8_t* valid;
     const float *klut, *vlut;
 };
@@ -533,7 +534,7 @@ static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, 
                    a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
                    a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J, a->klut, a->vlut,
                    framed ? a->cshift + b * a->cs_sb + h * D : 0, framed ? a->cscale + b * a->cs_sb + h * D : 0,
-                   framed ? a->rc + b * a->r_sb + t0 : 0, framed ? a->rs + b * a->r_sb + t0 : 0, T,
+                   framed ? a->rc + b * a->r_sb + t0 : 0, framed ? a->rs + b * a->r_sb + t0 : 0, a->r_st,
                    a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc);
 }
 
@@ -543,14 +544,14 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
                   const float* vs, const float* vz,
                   const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
-                  int64_t r_sb, const uint8_t* valid, const float* klut, const float* vlut, const float* dk,
-                  const float* dv, int nd, int chunks, int threads, int normalize,
+                  int64_t r_sb, int64_t r_st, const uint8_t* valid, const float* klut, const float* vlut,
+                  const float* dk, const float* dv, int nd, int chunks, int threads, int normalize,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1 || nd < 0 || nd > MAXDENSE) return 1;
     if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
     const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
                                  vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, cshift, cscale, cs_sb, rc, rs, r_sb,
-                                 valid, klut, vlut};
+                                 r_st, valid, klut, vlut};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
     const int slots = chunks + (nd > 0);  /* the full-precision tokens: one more partial per row */
     run_tasks(B * H, H, M, D, T, per, chunks, slots, threads, token_task, &a, work, cmx, csum, cacc);

@@ -429,6 +429,23 @@ def test_native_token_output_is_the_normalized_partial(prerope):
     assert torch.equal(out, normalized(native.token_partial_native(q, seg, valid, dense=dense)))
 
 
+@pytest.mark.parametrize("start", [0, 300])
+def test_native_token_angles_from_a_shared_table_are_the_computed_ones(start):
+    """Consecutive positions shared by every row read their angles as columns of a table of positions 0.. (rows
+    wider than the segment once a longer one has grown it): the very bits of the angles computed for them alone."""
+    native_or_skip()
+    import dataclasses
+
+    seg = token_segment(1, 2, 203, 64, "int4", prerope=True, seed=5, start=start)  # positions [1, 1, t]
+    q = torch.randn(1, 2, 3, 64, generator=torch.Generator().manual_seed(4)) / 8
+    alone = native.token_output_native(q, seg, None)
+    shared = dataclasses.replace(seg, positions=seg.positions.flatten())
+    rope = seg.key_codec.rope
+    assert native._angles(rope, torch.arange(5000, 5203), 203)[2] == 8192  # a later layer grows the table
+    assert torch.equal(native.token_output_native(q, shared, None), alone)
+    assert native._angles(rope, shared.positions, 203)[2] == 8192  # read as a view of it
+
+
 @each_path
 @pytest.mark.parametrize("return_mass", [False, True])
 @pytest.mark.parametrize("dtype,group_size,symmetric,prerope",
