@@ -273,13 +273,21 @@ def _angle_table(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
     return tuple(t.mul(rope.scaling).transpose(1, 2).contiguous() for t in rope.cos_sin_at(positions))
 
 
+_last_start = threading.local()  # (positions, their version, `_consecutive_start` of them) of the last call
+
+
 def _consecutive_start(positions: torch.Tensor) -> int | None:
-    """The first of `positions` when they are `[T]` integers counting up by one from a position >= 0, else None."""
-    if positions.dim() != 1 or positions.numel() == 0 or positions.is_floating_point():
-        return None
-    start = int(positions[0])
-    if start < 0 or (positions.numel() > 1 and not bool((positions.diff() == 1).all())):
-        return None
+    """The first of `positions` when they are `[T]` integers counting up by one from a position >= 0, else None; the
+    last answer given again while the same tensor asks unchanged (the layers of a decode step share it)."""
+    last = getattr(_last_start, "value", None)
+    if last is not None and last[0] is positions and last[1] == version_of(positions):
+        return last[2]
+    start = None
+    if positions.dim() == 1 and positions.numel() > 0 and not positions.is_floating_point():
+        first = int(positions[0])
+        if first >= 0 and (positions.numel() == 1 or bool((positions.diff() == 1).all())):
+            start = first
+    _last_start.value = (positions, version_of(positions), start)
     return start
 
 
