@@ -44,6 +44,36 @@ def scratch_bytes() -> int:
     return sum(b.numel() for b in _SCRATCH.buffers.values())
 
 
+class PerRope(threading.local):
+    """This thread's values kept per RoPE object (angle tables), emptied before it would hold a fifth: a model has
+    one RoPE per layer type, the others are an earlier model's."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, tuple] = {}
+
+    def get(self, rope):
+        """The value kept for `rope`, or None."""
+        held = self.values.get(id(rope))
+        return held[1] if held is not None and held[0] is rope else None
+
+    def put(self, rope, value):
+        """Keep `value` for `rope`; returns it."""
+        if id(rope) not in self.values and len(self.values) >= 4:
+            self.values.clear()
+        self.values[id(rope)] = (rope, value)
+        return value
+
+
+def position_table(store: PerRope, rope, end: int, build) -> tuple:
+    """(n, *tables) of `rope`'s positions `0..n-1` kept in `store`, n a power of two >= `end`: `build(rope, n)` makes
+    the tables when none covers `end` yet (the layers of a step and the steps of a decode then share them)."""
+    held = store.get(rope)
+    if held is None or held[0] < end:
+        n = 1 << max(end - 1, 1).bit_length()
+        held = store.put(rope, (n, *build(rope, n)))
+    return held
+
+
 # torch's CPU flash attention returns the log-sum-exp beside the output: one call gives a mergeable partial
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 

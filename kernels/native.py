@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .blockwise import scratch
+from .blockwise import PerRope, position_table, scratch
 from .build import LibraryBuild as _Build, compile_library, switched_off
 from .segments import QuantSegment, TokenSegment
 from hf_kvcache.quant.uniform import FP8_DTYPES
@@ -226,8 +226,8 @@ def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
     return threads, chunks
 
 
-_angle_tables = threading.local()  # {id(rope): (rope, cos, sin)}: see `_angles`
-_last_angles = threading.local()  # {id(rope): (rope, positions, their version, a copy, cos, sin)}: see `_angles`
+_angle_tables = PerRope()  # (n, cos, sin) of positions 0..n-1 per RoPE: see `_angles`
+_last_angles = PerRope()  # (positions, their version, a copy, cos, sin) per RoPE: see `_angles`
 
 
 def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -241,31 +241,22 @@ def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, t
     positions (the layers of one decode step). The same numbers either way: each angle is computed alone."""
     start = _consecutive_start(positions)
     if start is not None:
-        tables = _tables_of(_angle_tables, rope)
-        held = tables.get(id(rope))
-        if held is None or held[0] is not rope or held[1].shape[2] < start + tokens:
-            capacity = 1 << max(start + tokens - 1, 1).bit_length()
-            held = tables[id(rope)] = (rope, *_angle_table(rope, torch.arange(capacity).view(1, -1)))
-        return held[1][:, :, start : start + tokens], held[2][:, :, start : start + tokens], held[1].shape[2]
-    lasts = _tables_of(_last_angles, rope)
-    last = lasts.get(id(rope))
-    if last is not None and last[0] is rope and (
-        (last[1] is positions and last[2] == version_of(positions))
-        or (last[3].shape == positions.shape and torch.equal(last[3], positions))
+        n, cos, sin = position_table(_angle_tables, rope, start + tokens, _position_columns)
+        return cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n
+    last = _last_angles.get(rope)
+    if last is not None and (
+        (last[0] is positions and last[1] == version_of(positions))
+        or (last[2].shape == positions.shape and torch.equal(last[2], positions))
     ):
-        return last[4], last[5], tokens
+        return last[3], last[4], tokens
     cos, sin = _angle_table(rope, positions.reshape(-1, tokens))
-    lasts[id(rope)] = (rope, positions, version_of(positions), positions.clone(), cos, sin)
+    _last_angles.put(rope, (positions, version_of(positions), positions.clone(), cos, sin))
     return cos, sin, tokens
 
 
-def _tables_of(local: threading.local, rope) -> dict:
-    """This thread's dict in `local`, emptied before it would hold a fifth RoPE (a model has one per layer type: the
-    others are an earlier model's)."""
-    tables = getattr(local, "value", None)
-    if tables is None or (id(rope) not in tables and len(tables) >= 4):
-        tables = local.value = {}
-    return tables
+def _position_columns(rope, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_angle_table` of positions `0..n-1`: `[1, D / 2, n]` each."""
+    return _angle_table(rope, torch.arange(n).view(1, -1))
 
 
 def _angle_table(rope, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

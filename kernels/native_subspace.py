@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
-import threading
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from hf_kvcache.quant.packing import packed_length
 from hf_kvcache.quant.subspace import SubspaceRows, gaussian_step
 from hf_kvcache.rope import KeyRotation
 
-from .blockwise import combine, scratch
+from .blockwise import PerRope, combine, position_table, scratch
 from .build import LibraryBuild, compile_library
 from .native import FLAGS, NEG, _split, enabled
 from .segments import SubspaceSegment
@@ -35,7 +34,7 @@ MAX_ROWS = 16  # query rows per KV head the kernel takes (grouped heads x positi
 SCALAR_CODES_FLAGS = FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",)  # codes read a subspace at a time (`_compile`)
 
 _build = LibraryBuild()
-_tables = threading.local()  # {id(rope): (rope, cos, sin)} of positions 0..: see `_angles`
+_tables = PerRope()  # (n, cos, sin) of positions 0..n-1 per RoPE: see `_angles`
 
 
 def library() -> ctypes.CDLL | None:
@@ -62,17 +61,13 @@ def _angles(rope: KeyRotation, start: int, tokens: int) -> tuple[torch.Tensor, t
     """cos and sin `[tokens, D / 2]` of positions `start..` (contiguous row slices of this thread's table of positions
     `0..`, kept per RoPE object and grown to the next power of two when a layer asks past its end: the layers of a
     step and the steps of a decode share it; the same numbers as computed for these positions alone)."""
-    tables = getattr(_tables, "value", None)
-    if tables is None:
-        tables = _tables.value = {}
-    held = tables.get(id(rope))
-    if held is None or held[0] is not rope or held[1].shape[0] < start + tokens:
-        if len(tables) >= 4:  # a few RoPEs per model (one per layer type); drop the tables of earlier models
-            tables.clear()
-        n = 1 << max(start + tokens - 1, 1).bit_length()
-        positions = torch.arange(n, dtype=torch.float32)
-        held = tables[id(rope)] = (rope, *(t.contiguous() for t in rope.cos_sin_at(positions)))
-    return held[1][start : start + tokens], held[2][start : start + tokens]
+    _, cos, sin = position_table(_tables, rope, start + tokens, _angle_rows)
+    return cos[start : start + tokens], sin[start : start + tokens]
+
+
+def _angle_rows(rope: KeyRotation, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[n, D / 2]` (contiguous) of positions `0..n-1`."""
+    return tuple(t.contiguous() for t in rope.cos_sin_at(torch.arange(n, dtype=torch.float32)))
 
 
 def prerope_scores(q: torch.Tensor, coefficients: torch.Tensor, weights: torch.Tensor, mean: torch.Tensor,
