@@ -13,18 +13,24 @@ RoPE) stores keys with RoPE undone, each channel shifted by its mean and divided
 fix for models whose keys carry large per-channel offsets (Qwen2.5's k bias: int4 +44 % -> +2.6 % perplexity).
 Dividing by the full RMS equalizes the channels' ranges; by its square root, half-way, lost less on each zoo model
 (README, "Uniform caches on the model zoo"). `"token"` quantizes keys as they come (fp8 keeps it by default).
+
+`rotation="hadamard"` multiplies keys (in the frame they are coded in: the normalized pre-RoPE one with `"prerope"`)
+and values by a randomized Hadamard rotation (`quant.rotation.hadamard_rotation`, seed 0) before the per-token groups
+and by its transpose after decoding: the same bytes, an outlier channel spread over the whole head. The fused kernels
+do not read rotated codes, so such a layer hands the attention dequantized keys and values.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from ..kernels import native_encode
 from ..options import CacheOptions, check_choice, check_positive_int
 from ..quant.prerope import PreRopeKeys
+from ..quant.rotation import HadamardRotation, hadamard_rotation
 from ..quant.uniform import FP8_DTYPES, QuantizedTensor, dequantize, quantize
 from .base import CompressedCache
 from .coded import CodedLayer
@@ -34,22 +40,30 @@ ALIASES = {"fp8": "fp8_e4m3"}
 # dtype -> (bits, default group size (None: the whole head), default symmetric)
 DEFAULTS = {"int8": (8, None, True), "int4": (4, 32, True), "fp8_e4m3": (8, None, True), "fp8_e5m2": (8, None, True)}
 KEY_QUANT = ("token", "prerope")
+ROTATIONS = ("none", "hadamard")
 KEY_SCALE_POWER = 0.5  # key_quant="prerope": channels divided by the square root of their RMS (README, "Uniform caches")
 
 
 @dataclass
 class UniformQuantOptions(CacheOptions):
-    """The uniform formats (a `quant.rows.TokenFormat`: the layers' codes) and how keys are quantized."""
+    """The uniform formats (a `quant.rows.TokenFormat`: the layers' codes), how keys are quantized and whether keys
+    and values are rotated first (module docstring)."""
 
-    reads_in_place: ClassVar[bool] = True  # the fused attention reads these codes as they are
     dtype: str = "int8"
     group_size: int | None = None
     symmetric: bool | None = None
     # "prerope": keys quantized with RoPE undone, channels normalized (module docstring); "token": as they come;
     # None: "prerope" for the integer formats when the cache has the model config and its RoPE is supported
     key_quant: str | None = None
+    rotation: str = "none"  # "hadamard": keys and values rotated before their groups (module docstring)
+
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether the fused attention reads these codes as they are (not rotated ones)."""
+        return self.rotation == "none"
 
     def validate(self) -> None:
+        check_choice("rotation", self.rotation, ROTATIONS)
         if self.key_quant is not None:
             check_choice("key_quant", self.key_quant, KEY_QUANT)
         self.dtype = ALIASES.get(self.dtype, self.dtype)
@@ -77,9 +91,21 @@ class UniformQuantOptions(CacheOptions):
     def resolved_symmetric(self) -> bool:
         return DEFAULTS[self.dtype][2] if self.symmetric is None else self.symmetric
 
+    def rotation_of(self, n: int, device: torch.device) -> HadamardRotation | None:
+        """The rotation applied to a last dim of `n` before quantizing (None without one); `n` must be a power of
+        two."""
+        if self.rotation == "none":
+            return None
+        if n & (n - 1):
+            raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim, got {n}; use rotation='none'")
+        return hadamard_rotation(n, 0, device)
+
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         """`x [..., d]` in this format, scales per token over groups of channels (integer formats of `[b, h, n, d]`
-        on the CPU: the native encoder, the same bits in one call)."""
+        on the CPU: the native encoder, the same bits in one call), rotated first with `rotation`."""
+        r = self.rotation_of(x.shape[-1], x.device)
+        if r is not None:
+            x = r.rotate(x)
         coded = self.native_codes(x)
         if coded is not None:
             return coded
@@ -95,7 +121,13 @@ class UniformQuantOptions(CacheOptions):
 
     def dequantize(self, q: QuantizedTensor, dtype: torch.dtype) -> torch.Tensor:
         """Inverse of `quantize`: `[..., d]` in `dtype`."""
-        return dequantize(q, dtype)
+        r = self.rotation_of(q.n, q.codes.device)
+        return dequantize(q, dtype) if r is None else r.unrotate(dequantize(q, torch.float32)).to(dtype)
+
+    def tensors(self, n: int, device: torch.device) -> list[torch.Tensor]:
+        """The tensors of the rotation of a last dim of `n` that the codes need to be read (none without one)."""
+        r = self.rotation_of(n, device)
+        return [] if r is None else r.tensors()
 
     def rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, n: int) -> QuantizedTensor:
         """Codes of this format from their stored tensors (`n`: the dim before packing)."""
@@ -112,12 +144,12 @@ class UniformPreRopeKeys(PreRopeKeys):
         return self.options.quantize(x)
 
     def decode_codes(self, q: QuantizedTensor) -> torch.Tensor:
-        return dequantize(q, torch.float32)
+        return self.options.dequantize(q, torch.float32)
 
     def encode_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> QuantizedTensor:
         """`quantize_pre(derotate(keys, positions))` of a fitted codec (post-RoPE `keys [b, h, n, d]`, `positions`
         `[n]` or `[b, 1, n]`): on the CPU in one native call (the same bits), else through those two."""
-        if self.fitted and self.options.fmt == "int":  # the angles only where the encoder may serve
+        if self.fitted and self.options.fmt == "int" and self.options.rotation == "none":  # where the encoder serves
             angles = self.rope.cos_sin_shared(positions)
             coded = self.options.native_codes(keys, angles=angles, unscale=self.rope.scaling,
                                               frame=(self.shift, self.scale))

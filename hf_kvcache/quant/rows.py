@@ -78,3 +78,7 @@ class TokenFormat(Protocol):
 
     def rows(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, n: int) -> TokenRows:
         """The codes of this format from their stored tensors (`n`: the dim before packing)."""
+
+    def tensors(self, n: int, device: torch.device) -> list[torch.Tensor]:
+        """What the format holds besides the codes to read a last dim of `n` (a rotation's tensors), for the bytes
+        a layer counts."""
