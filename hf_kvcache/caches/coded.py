@@ -194,9 +194,10 @@ class CodedLayer(CompressedLayer):
         held = [t for q in (self.key_codes, self.value_codes) if q is not None for t in q.tensors()]
         held += [] if self.pending_keys is None else [self.pending_keys]
         held += [] if self.key_codec is None else self.key_codec.tensors()
-        if self.value_codes is not None:  # a rotation's signs and factors (shared by the layers: one storage)
+        extra = getattr(self.format, "tensors", None)  # optional in a `TokenFormat`: e.g. a rotation's tensors
+        if extra is not None and self.value_codes is not None:  # shared by the layers (one storage, counted once)
             dims = {self.value_dim} | ({self.head_dim} if self.key_codes is not None else set())
-            held += [t for n in sorted(dims) for t in self.format.tensors(n, self.device)]
+            held += [t for n in sorted(dims) for t in extra(n, self.device)]
         return held + ([] if self.rows_fitted is None else [self.rows_fitted])
 
     def _crop_newest(self, n: int) -> None:

@@ -80,5 +80,5 @@ class TokenFormat(Protocol):
         """The codes of this format from their stored tensors (`n`: the dim before packing)."""
 
     def tensors(self, n: int, device: torch.device) -> list[torch.Tensor]:
-        """What the format holds besides the codes to read a last dim of `n` (a rotation's tensors), for the bytes
-        a layer counts."""
+        """Optional: what the format holds besides the codes to read a last dim of `n` (a rotation's tensors), for
+        the bytes a layer counts (a format without this method holds nothing else)."""

@@ -56,10 +56,6 @@ class TokenQuant:
         """Codes of this format from their stored tensors (`n`: the dim before packing)."""
         return KIVIQuantized(codes, scale, zero, self.bits, self.group_size or n, "token", n)
 
-    def tensors(self, n: int, device: torch.device) -> list[torch.Tensor]:
-        """Nothing besides the codes (the `TokenFormat` interface)."""
-        return []
-
     def check_dims(self, key_dim: int, value_dim: int) -> None:
         """Raise unless `group_size` divides the key and value head dims into groups of whole bytes of codes."""
         group = self.group_size
