@@ -88,7 +88,7 @@ def test_int4_hadamard_rotation_through_generate_and_its_perplexity(smol, pydoc_
     lose less perplexity than int4's."""
     model, tok = smol
     ids = prompt_ids(tok, pydoc_text, 40)
-    kw = dict(max_new_tokens=12, do_sample=False)
+    kw = {"max_new_tokens": 12, "do_sample": False}
     by_name = model.generate(ids, cache_implementation="int4", cache_config={"rotation": "hadamard"},
                              return_dict_in_generate=True, **kw)
     assert by_name.past_key_values.options.rotation == "hadamard"
