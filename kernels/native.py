@@ -47,9 +47,11 @@ def _compile() -> ctypes.CDLL:
     lib.native_supports.argtypes = [i] * 6
     lib.token_partial.restype = i
     lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
-                                  p, p, i64, p, p, i64, i64, p, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
+                                  p, p, i64, p, p, i64, i64, p, p, p, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
+    lib.token_tile.restype = i
+    lib.token_tile.argtypes = []
     lib.token_max_dense.restype = i
     lib.token_max_dense.argtypes = []
     return lib
@@ -228,30 +230,50 @@ def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
 
 _angle_tables = PerRope()  # (n, cos, sin) of positions 0..n-1 per RoPE: see `_angles`
 _last_angles = PerRope()  # (positions, their version, a copy, cos, sin) per RoPE: see `_angles`
+_tile_angles = PerRope()  # (cos, sin) `[D / 2, tile]` of positions 0..tile-1, no attention scaling: see `_angles`
 
 
-def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+# The widest key codes whose angles the kernel composes (`_angles`): the composition's rounding grows with the position
+# and stays far below what 4-bit codes lose; 8-bit codes keep every column (docs/results/speed.md has the figures).
+COMPOSED_MAX_BITS = 4
+
+
+def _tile_table(rope) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin `[D / 2, tile]` (contiguous, no attention scaling) of positions `0..tile-1`, `tile` the C
+    kernel's tokens per tile: a tile at position p turns its keys by these and its query rows by p's angles."""
+    held = _tile_angles.get(rope)
+    if held is None:
+        tile = library().token_tile()
+        held = _tile_angles.put(rope, tuple(t[0].transpose(0, 1).contiguous()
+                                            for t in rope.cos_sin_at(torch.arange(tile).view(1, -1))))
+    return held
+
+
+def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int, tuple | None]:
     """cos and sin `[B or 1, D / 2, T]` of RoPE at `positions` (`[T]`, or `[B, 1, T]`: `T = tokens`), times its
-    attention scaling, and their row stride (elements).
+    attention scaling, their row stride (elements), and the tile table (`_tile_table`) where the kernel may compose
+    the angles (None: it reads every column).
 
     Consecutive positions shared by every row (a layer holding the newest tokens: every layer of every decode step)
     are columns of this thread's table of positions `0..` kept per RoPE object (`[1, D / 2, capacity]`, grown to the
-    next power of two when asked past its end): no angle is computed again as the steps go. Other positions (per-row
+    next power of two when asked past its end): no angle is computed again as the steps go, and the kernel reads one
+    column a tile (the tile's first position p), turning the tile's keys by the angles of `0..tile-1` instead
+    (R(p + t) = R(p) R(t): the same rotation up to float rounding, not the same bits). Other positions (per-row
     padding, the slots an evicting cache kept) get a table of their own, reused while the same RoPE asks at the same
-    positions (the layers of one decode step). The same numbers either way: each angle is computed alone."""
+    positions (the layers of one decode step), every column read."""
     start = _consecutive_start(positions)
     if start is not None:
         n, cos, sin = position_table(_angle_tables, rope, start + tokens, _position_columns)
-        return cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n
+        return cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n, _tile_table(rope)
     last = _last_angles.get(rope)
     if last is not None and (
         (last[0] is positions and last[1] == version_of(positions))
         or (last[2].shape == positions.shape and torch.equal(last[2], positions))
     ):
-        return last[3], last[4], tokens
+        return last[3], last[4], tokens, None
     cos, sin = _angle_table(rope, positions.reshape(-1, tokens))
     _last_angles.put(rope, (positions, version_of(positions), positions.clone(), cos, sin))
-    return cos, sin, tokens
+    return cos, sin, tokens, None
 
 
 def _position_columns(rope, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -333,19 +355,22 @@ def _token_call(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | No
     q = as_float32(q)
     (kc, klut), (vc, vlut) = _codes_and_table(seg.keys), _codes_and_table(seg.values)
     (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
-    shift = scale = cos = sin = None
+    shift = scale = cos = sin = tile = None
     cs_sb = r_sb = r_st = 0
     codec = seg.key_codec
     if codec is not None:  # shift, scale [B or 1, H, 1, D]
         shift, scale = as_float32(codec.shift), as_float32(codec.scale)
         cs_sb = h * d if blocks_of(shift, h * d) > 1 else 0
-        cos, sin, r_st = _angles(codec.rope, seg.positions, t)
+        cos, sin, r_st, tile = _angles(codec.rope, seg.positions, t)
+        if seg.keys.bits > COMPOSED_MAX_BITS:  # 8-bit codes: every column read, the model's own angles
+            tile = None
         r_sb = (d // 2) * r_st if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T] of rows r_st apart
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
+    tile_ptrs = (None, None) if tile is None else (_ptr(tile[0]), _ptr(tile[1]))
     rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
         _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
-        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, r_st, _ptr(valid), _ptr(klut), _ptr(vlut),
+        _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, r_st, *tile_ptrs, _ptr(valid), _ptr(klut), _ptr(vlut),
         _ptr(dk), _ptr(dv), nd, chunks, torch.get_num_threads(), int(normalize), *ptrs, acc.data_ptr(),
     )
     if rc:

@@ -368,14 +368,27 @@ static void dense_partial(const float* q, int M, int D, int nd, const float* dk,
 INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st,
                          const int kbits, int kgroup, const float* ks, const float* kz, const float* klut,
                          const float* cshift, const float* cscale, const float* rc, const float* rs, int64_t r_st,
-                         float* s) {
+                         const float* rc0, const float* rs0, float* s) {
     enum { TG = MAXTG };
     const int per = 8 / kbits, words = D / per / 4, mask = (1 << kbits) - 1, G = D / kgroup, half = D / 2;
     uint32_t trw[MAXD / 4 * TG] __attribute__((aligned(64)));  /* trw[w * TG + tt]: code bytes 4w..4w+3 */
     float sct[MAXG * TG] __attribute__((aligned(64))), zct[MAXG * TG] __attribute__((aligned(64)));
     float kt[MAXD * TG] __attribute__((aligned(64)));
+    float qt[MAXM * MAXD] __attribute__((aligned(64)));  /* composed angles: the rows turned back by the tile's first */
     for (int t0 = 0; t0 < n; t0 += TG) {
         const int nt = n - t0 < TG ? n - t0 : TG;
+        const float* qr = q;  /* the rows the tile's keys are scored with */
+        if (cshift && rc0) {  /* R(p + tt) = R(p) R(tt): keys turned by R(tt) (rc0, rs0), rows by R(p)^T (column t0) */
+            for (int j = 0; j < half; j++) {
+                const float c = rc[j * r_st + t0], sn = rs[j * r_st + t0];
+                for (int m = 0; m < M; m++) {
+                    const float a = q[m * D + j], b = q[m * D + j + half];
+                    qt[m * D + j] = c * a + sn * b;
+                    qt[m * D + j + half] = c * b - sn * a;
+                }
+            }
+            qr = qt;
+        }
         for (int tt = 0; tt < TG; tt++) {  /* past the last token: zero codes and scales (scores never read) */
             const int64_t t = t0 + tt;
             const uint8_t* row = kc + t * kc_st;
@@ -394,8 +407,8 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                     const float *sc1 = sct + (d / kgroup) * TG, *zr1 = zct + (d / kgroup) * TG;
                     const float *sc2 = sct + (e / kgroup) * TG, *zr2 = zct + (e / kgroup) * TG;
                     const float a1 = cscale[d], b1 = cshift[d], a2 = cscale[e], b2 = cshift[e];
-                    const float* cr = rc + d * r_st + t0;
-                    const float* sr = rs + d * r_st + t0;
+                    const float* cr = rc0 ? rc0 + d * TG : rc + d * r_st + t0;
+                    const float* sr = rs0 ? rs0 + d * TG : rs + d * r_st + t0;
                     float *c1 = kt + d * TG, *c2 = kt + e * TG;
                     float v1[TG] __attribute__((aligned(64))), v2[TG] __attribute__((aligned(64)));
                     if (klut)
@@ -415,7 +428,7 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                         c2[tt] = y * cr[tt] + x * sr[tt];
                     }
                 }
-            tile_scores(q, M, D, kt, TG, 0, nt, n, t0, s);
+            tile_scores(qr, M, D, kt, TG, 0, nt, n, t0, s);
             continue;
         }
         for (int w = 0; w < words; w++)  /* byte 4w + k / per, lane k % per: channel 4 w per + k */
@@ -436,8 +449,8 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
             for (int j = 0; j < half; j++) {
                 float* c1 = kt + j * TG;
                 float* c2 = kt + (j + half) * TG;
-                const float* cr = rc + j * r_st + t0;
-                const float* sr = rs + j * r_st + t0;
+                const float* cr = rc0 ? rc0 + j * TG : rc + j * r_st + t0;
+                const float* sr = rs0 ? rs0 + j * TG : rs + j * r_st + t0;
                 for (int tt = 0; tt < nt; tt++) {
                     const float x = c1[tt], y = c2[tt];
                     c1[tt] = x * cr[tt] - y * sr[tt];
@@ -445,7 +458,7 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
                 }
             }
         }
-        tile_scores(q, M, D, kt, TG, 0, nt, n, t0, s);
+        tile_scores(qr, M, D, kt, TG, 0, nt, n, t0, s);
     }
 }
 
@@ -454,15 +467,16 @@ INLINE void token_chunk(const float* q, int M, const int D, int n, const uint8_t
                         int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
                         int vgroup, const float* vs, const float* vz, const float* klut, const float* vlut,
                         const float* cshift, const float* cscale, const float* rc, const float* rs, int64_t r_st,
-                        const uint8_t* valid, float* s, float* mx, float* sum, float* acc) {
-    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, klut, cshift, cscale, rc, rs, r_st, s);
+                        const float* rc0, const float* rs0, const uint8_t* valid, float* s, float* mx, float* sum,
+                        float* acc) {
+    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, klut, cshift, cscale, rc, rs, r_st, rc0, rs0, s);
     scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, vlut, mx, sum, acc);
 }
 
 #define TOKEN_VARIANT(DD, KB)                                                                                    \
     if (D == DD && kbits == KB) {                                                                                \
         token_chunk(q, M, DD, n, kc, kc_st, KB, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, klut, vlut,     \
-                    cshift, cscale, rc, rs, r_st, valid, s, mx, sum, acc);                                       \
+                    cshift, cscale, rc, rs, r_st, rc0, rs0, valid, s, mx, sum, acc);                             \
         return;                                                                                                  \
     }
 #define TOKEN_BITS(DD) TOKEN_VARIANT(DD, 2) TOKEN_VARIANT(DD, 4) TOKEN_VARIANT(DD, 8)
@@ -471,10 +485,13 @@ static void token_dispatch(const float* q, int M, int D, int n, const uint8_t* k
                            int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
                            int vgroup, const float* vs, const float* vz, const float* klut, const float* vlut,
                            const float* cshift, const float* cscale,
-                           const float* rc, const float* rs, int64_t r_st, const uint8_t* valid, float* s, float* mx,
-                           float* sum, float* acc) {
+                           const float* rc, const float* rs, int64_t r_st, const float* rc0, const float* rs0,
+                           const uint8_t* valid, float* s, float* mx, float* sum, float* acc) {
     TOKEN_BITS(64) TOKEN_BITS(128) TOKEN_BITS(256)
 }
+
+/* Tokens per tile of `token_partial` (MAXTG): the columns of its rc0, rs0. */
+int token_tile(void) { return MAXTG; }
 
 /* How many full-precision tokens `token_partial` attends beside the codes (MAXDENSE). */
 int token_max_dense(void) { return MAXDENSE; }
@@ -510,7 +527,9 @@ static void normalize_rows(int64_t rows, int D, const float* sum, float* acc) {
    ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
    strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
    rc, rs [B or 1, D / 2, >= T] (token t of a row at column t; batch stride r_sb, row stride r_st >= T: a view of a
-   wider table of positions). klut, vlut: [256] values of 8-bit float codes, or NULL
+   wider table of positions). rc0, rs0 [D / 2, MAXTG] or NULL: where a row's positions count up by one, the cos / sin
+   (no attention scaling) of positions 0..MAXTG-1; a tile's keys are then turned by these and its rows by the
+   tile's first column of rc, rs (R(p + t) = R(p) R(t): the wide table is read once a tile). klut, vlut: [256] values of 8-bit float codes, or NULL
    for integer codes. dk, dv [B, H, nd, D] float32 contiguous: nd <= MAXDENSE full-precision tokens after the codes,
    seen by every row (a decode step's new tokens; nd = 0: none), one more partial per row (cmx, csum and cacc hold
    chunks + 1 slots per row then). normalize: acc_out holds the normalized output acc / max(sum, 1e-30) instead
@@ -519,7 +538,7 @@ struct token_args {
     const float* q; int M, D, T, G, J;
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
     const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
-    const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb, r_st;
+    const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb, r_st; const float *rc0, *rs0;
     const uint8_t* valid;
     const float *klut, *vlut;
 };
@@ -535,7 +554,7 @@ static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, 
                    a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J, a->klut, a->vlut,
                    framed ? a->cshift + b * a->cs_sb + h * D : 0, framed ? a->cscale + b * a->cs_sb + h * D : 0,
                    framed ? a->rc + b * a->r_sb + t0 : 0, framed ? a->rs + b * a->r_sb + t0 : 0, a->r_st,
-                   a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc);
+                   framed ? a->rc0 : 0, framed ? a->rs0 : 0, a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc);
 }
 
 int token_partial(const float* q, int B, int H, int M, int D, int T,
@@ -544,14 +563,14 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
                   const float* vs, const float* vz,
                   const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
-                  int64_t r_sb, int64_t r_st, const uint8_t* valid, const float* klut, const float* vlut,
-                  const float* dk, const float* dv, int nd, int chunks, int threads, int normalize,
+                  int64_t r_sb, int64_t r_st, const float* rc0, const float* rs0, const uint8_t* valid,
+                  const float* klut, const float* vlut, const float* dk, const float* dv, int nd, int chunks, int threads, int normalize,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1 || nd < 0 || nd > MAXDENSE) return 1;
     if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
     const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
                                  vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, cshift, cscale, cs_sb, rc, rs, r_sb,
-                                 r_st, valid, klut, vlut};
+                                 r_st, rc0, rs0, valid, klut, vlut};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
     const int slots = chunks + (nd > 0);  /* the full-precision tokens: one more partial per row */
     run_tasks(B * H, H, M, D, T, per, chunks, slots, threads, token_task, &a, work, cmx, csum, cacc);

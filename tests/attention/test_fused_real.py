@@ -142,6 +142,20 @@ def test_uniform_int4_fused_matches_dequantize(smol, moby_text, fused_calls):
     assert worst < 6e-5, worst  # measured 3.1e-5 over 24 steps (4.9e-5 with key_quant="token")
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("dtype,tol", [("int4", 4e-5), ("int8", 6e-5)])  # measured 2.96e-5 and 4.72e-5
+def test_uniform_one_row_fused_matches_dequantize(smol, moby_text, fused_calls, dtype, tol):
+    """One row (consecutive positions: the per-token kernel reads one angle column a tile and composes the rest for
+    4-bit codes, every column for 8-bit ones) against the same cache state read through dequantize + SDPA."""
+    model, tok = smol
+    ids = load_tokens(tok, moby_text, 5000, 700)
+    cache = UniformQuantCache(config=model.config, dtype=dtype)
+    worst = fused_against_dequantize(model, ids, cache, 12)
+    assert len(fused_calls) == 12 * model.config.num_hidden_layers, "not every decode step ran fused"
+    print(f"max |fused - dequantize| logit difference, {dtype}, one row at 700-712: {worst:.2e}")
+    assert worst < tol, worst
+
+
 @pytest.mark.parametrize("prerope", [True, False], ids=["pre-rope", "post-rope"])
 @torch.no_grad()
 def test_fused_reads_a_subspace_archive_in_place(smol, moby_text, fused_calls, prerope):
