@@ -88,9 +88,8 @@ def subspace_partial(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor |
 def in_model_basis(values: SubspaceRows, coeff: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
     """An unnormalized output in the values' whitened coefficients `[..., H, M, rank]` (row sums `total` `[..., H,
     M]`) taken to the model's basis: times sigma and the basis, plus the row sums times the mean. `[..., H, M, D]`."""
-    basis = values.basis.basis[:, :, : values.rank].float()  # [H, D, r]
-    acc = torch.matmul(coeff * values.basis.sigma[:, None, : values.rank].float(), basis.transpose(-1, -2))
-    return acc + total.unsqueeze(-1) * values.basis.mean.float()[:, None]
+    weights, mean = native_subspace.basis_weights(values)  # [H, r, D] (sigma times the basis), [H, D]
+    return torch.matmul(coeff, weights) + total.unsqueeze(-1) * mean[:, None]
 
 
 def subspace_mass(q: torch.Tensor, seg: SubspaceSegment, mask: torch.Tensor | None, lse: torch.Tensor,

@@ -2,7 +2,9 @@
  * from its packed codes on the CPU. A key is rebuilt from its coefficients, key = mean + z @ W (W: the basis times
  * sigma, [rank, D]), RoPE put back with the cos / sin of its position (pre-RoPE keys), and dotted with the query rows
  * while it sits in L1; a value's coefficients are weighted by the probabilities without leaving the whitened basis
- * (the caller multiplies the sums by sigma and the basis once). */
+ * (the caller multiplies the sums by sigma and the basis once). With AVX-512F, four keys of a head dim that is a
+ * multiple of 64 are rebuilt with their sums in registers and dotted with intrinsics (`rebuild_keys4_avx`): the same
+ * arithmetic in another order, so the scores differ from the portable loops' in the last bits. */
 
 #include <math.h>
 #include <omp.h>
@@ -13,6 +15,12 @@
  * without it, reads them a subspace at a time (`codes_of`): the same integers either way. */
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && !defined(HF_KVCACHE_SCALAR_CODES)
 #define FAST_CODES 1
+#include <immintrin.h>
+#endif
+/* AVX-512F rebuilds four keys in 64-channel blocks with their sums in registers (`rebuild_keys4_avx`, head dims that
+ * are multiples of 64), in either build of the codes. */
+#if defined(__AVX512F__)
+#define FAST_KEYS 1
 #include <immintrin.h>
 #endif
 
@@ -65,6 +73,61 @@ static inline void rebuild_keys4(float z[4][MAXDIM], const float *w, const float
     if (cos_t)
         for (int u = 0; u < 4; u++) turn(key[u], cos_t + (long)u * half, sin_t + (long)u * half, half);
 }
+
+#ifdef FAST_KEYS
+/* rebuild_keys4 for a head dim that is a multiple of 64: per 64-channel block sixteen accumulators (four keys x four
+ * vectors) stay in registers over the directions, each row of W loaded once for the four keys; RoPE after. */
+static inline void rebuild_keys4_avx(float z[4][MAXDIM], const float *w, const float *mean, const float *cos_t,
+                                     const float *sin_t, int rank, const int dim, float key[4][MAXDIM]) {
+    for (int c0 = 0; c0 < dim; c0 += 64) {
+        __m512 a[4][4];
+        for (int c = 0; c < 4; c++) {
+            const __m512 m = _mm512_loadu_ps(mean + c0 + 16 * c);
+            for (int u = 0; u < 4; u++) a[u][c] = m;
+        }
+        for (int j = 0; j < rank; j++) {
+            const float *wj = w + (long)j * dim + c0;
+            const __m512 w0 = _mm512_loadu_ps(wj), w1 = _mm512_loadu_ps(wj + 16), w2 = _mm512_loadu_ps(wj + 32),
+                         w3 = _mm512_loadu_ps(wj + 48);
+            for (int u = 0; u < 4; u++) {
+                const __m512 c = _mm512_set1_ps(z[u][j]);
+                a[u][0] = _mm512_fmadd_ps(c, w0, a[u][0]), a[u][1] = _mm512_fmadd_ps(c, w1, a[u][1]);
+                a[u][2] = _mm512_fmadd_ps(c, w2, a[u][2]), a[u][3] = _mm512_fmadd_ps(c, w3, a[u][3]);
+            }
+        }
+        for (int u = 0; u < 4; u++)
+            for (int c = 0; c < 4; c++) _mm512_storeu_ps(key[u] + c0 + 16 * c, a[u][c]);
+    }
+    if (!cos_t) return;
+    const int half = dim / 2;
+    for (int u = 0; u < 4; u++) {
+        const float *cu = cos_t + (long)u * half, *su = sin_t + (long)u * half;
+        for (int i = 0; i < half; i += 16) {
+            const __m512 x1 = _mm512_loadu_ps(key[u] + i), x2 = _mm512_loadu_ps(key[u] + half + i);
+            const __m512 c = _mm512_loadu_ps(cu + i), s = _mm512_loadu_ps(su + i);
+            _mm512_storeu_ps(key[u] + i, _mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, s)));
+            _mm512_storeu_ps(key[u] + half + i, _mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, s)));
+        }
+    }
+}
+
+/* dots[u][r] = q_r . key[u] for four keys (dim a multiple of 16). */
+static inline void dots4_avx(const float *q, int rows, float key[4][MAXDIM], const int dim, float dots[4][MAXROWS]) {
+    for (int r = 0; r < rows; r++) {
+        const float *qr = q + (long)r * dim;
+        __m512 s0 = _mm512_setzero_ps(), s1 = s0, s2 = s0, s3 = s0;
+        for (int d = 0; d < dim; d += 16) {
+            const __m512 x = _mm512_loadu_ps(qr + d);
+            s0 = _mm512_fmadd_ps(x, _mm512_loadu_ps(key[0] + d), s0);
+            s1 = _mm512_fmadd_ps(x, _mm512_loadu_ps(key[1] + d), s1);
+            s2 = _mm512_fmadd_ps(x, _mm512_loadu_ps(key[2] + d), s2);
+            s3 = _mm512_fmadd_ps(x, _mm512_loadu_ps(key[3] + d), s3);
+        }
+        dots[0][r] = _mm512_reduce_add_ps(s0), dots[1][r] = _mm512_reduce_add_ps(s1);
+        dots[2][r] = _mm512_reduce_add_ps(s2), dots[3][r] = _mm512_reduce_add_ps(s3);
+    }
+}
+#endif
 
 static inline void tile_scores(const float *z, const float *w, const float *mean, const float *cos_t,
                                const float *sin_t, const float *q, float *out, int tokens, int rank, int rows,
@@ -269,6 +332,23 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
         for (int u = 0; u < u_n; u++)
             row_codes(a->kc + ((long)bh * a->tokens + t + u) * a->kbytes, a->kplan, a->kmeta, a->ksub, z[u]);
         const float *ct = a->cos_t ? a->cos_t + (long)t * half : 0, *sn = a->sin_t ? a->sin_t + (long)t * half : 0;
+#ifdef FAST_KEYS
+        if (four && dim % 64 == 0) {
+            float dots[4][MAXROWS];
+            rebuild_keys4_avx(z, wg, mg, ct, sn, rank, dim, key);
+            dots4_avx(q, R, key, dim, dots);
+            for (int u = 0; u < 4; u++) {
+                const int hidden = valid && !valid[t + u];
+                for (int r = 0; r < R; r++) {
+                    const float dot = hidden ? NEG : dots[u][r] * a->scale;
+                    st[(long)r * a->per + u] = dot;
+                    if (dot > m[r]) m[r] = dot;
+                }
+            }
+            t += 3;
+            continue;
+        }
+#endif
         if (four)
             rebuild_keys4(z, wg, mg, ct, sn, rank, dim, key);
         else

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import weakref
 from pathlib import Path
 
 import torch
@@ -44,10 +45,11 @@ def library() -> ctypes.CDLL | None:
     return _build.load(_compile, "the native CPU subspace kernel (the fused attention uses its torch path)")
 
 
-def _compile(flags: tuple[str, ...] = FLAGS) -> ctypes.CDLL:
+def _compile(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> ctypes.CDLL:
     """The kernel built with `flags` (`SCALAR_CODES_FLAGS`: the build that reads codes a subspace at a time, which the
-    tests and `benchmarks/subspace_codes.py` hold the vector reading to)."""
-    lib = compile_library(SOURCE, flags)
+    tests and `benchmarks/subspace_codes.py` hold the vector reading to) from `source` (another version of it:
+    `benchmarks/subspace_builds.py`)."""
+    lib = compile_library(source, flags)
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.subspace_rope_scores.restype = i
     lib.subspace_rope_scores.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
@@ -121,11 +123,31 @@ def value_levels(bits: tuple) -> tuple[torch.Tensor, torch.Tensor]:
             torch.tensor([2**width // 2 - 0.5 for width in bits]))
 
 
+# float32 weights per basis and rank, by the id of the basis's `basis` tensor with a weak reference to it (dropped when
+# the tensor goes: `weakref.finalize`): see `basis_weights`
+_weights: dict[int, tuple[weakref.ref, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+
+
 def basis_weights(rows: SubspaceRows) -> tuple[torch.Tensor, torch.Tensor]:
-    """The basis times sigma `[H, rank, D]` and the mean `[H, D]`, float32 and contiguous."""
+    """The basis times sigma `[H, rank, D]` and the mean `[H, D]`, float32 and contiguous: computed on a basis's first
+    use at a rank and kept while the basis lives (a basis is fitted once and never written; every decode step of
+    every layer reads its weights). The copies are the kernels' working memory, like the scratch buffers, not bytes
+    the cache holds: `held_weight_bytes` says how many."""
     basis = rows.basis
-    w = basis.sigma[:, : rows.rank, None].float() * basis.basis[:, :, : rows.rank].float().transpose(-1, -2)
-    return w.contiguous(), basis.mean.float().contiguous()
+    entry = _weights.get(id(basis.basis))
+    if entry is None or entry[0]() is not basis.basis:
+        entry = _weights[id(basis.basis)] = (weakref.ref(basis.basis), {})
+        weakref.finalize(basis.basis, _weights.pop, id(basis.basis), None)
+    held = entry[1].get(rows.rank)
+    if held is None:
+        w = basis.sigma[:, : rows.rank, None].float() * basis.basis[:, :, : rows.rank].float().transpose(-1, -2)
+        held = entry[1][rows.rank] = (w.contiguous(), basis.mean.float().contiguous())
+    return held
+
+
+def held_weight_bytes() -> int:
+    """Bytes of the float32 weights `basis_weights` keeps for the bases alive now."""
+    return sum(w.nbytes + m.nbytes for _, per_rank in list(_weights.values()) for w, m in per_rank.values())
 
 
 def serves(q: torch.Tensor, seg: SubspaceSegment) -> bool:

@@ -689,3 +689,25 @@ def test_decode_attention_over_a_subspace_segment(prerope, use_native, q_len, d)
         out, mass = decode_attention(q, segments, mask, return_mass=True, block=64)
     torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(mass, ref_mass, atol=2e-6, rtol=1e-5)
+
+
+def test_subspace_basis_weights_are_kept_per_basis_and_rank_while_the_basis_lives():
+    """`native_subspace.basis_weights` computes a basis's float32 weights (sigma times the basis) once per rank, gives
+    the same tensors back on every later step, and lets them go with the basis."""
+    import gc
+
+    from hf_kvcache.kernels import native_subspace
+
+    _, seg, _ = subspace_case(2, 256, 3, 64, prerope=True)
+    keys = seg.keys
+    w, mean = native_subspace.basis_weights(keys)
+    basis = keys.basis
+    expected = basis.sigma[:, : keys.rank, None].float() * basis.basis[:, :, : keys.rank].float().transpose(-1, -2)
+    assert torch.equal(w, expected) and torch.equal(mean, basis.mean.float())
+    again = native_subspace.basis_weights(keys)
+    assert again[0] is w and again[1] is mean
+    before, own = native_subspace.held_weight_bytes(), w.nbytes + mean.nbytes
+    assert before >= own
+    del seg, keys, basis, w, mean, again, expected
+    gc.collect()
+    assert native_subspace.held_weight_bytes() <= before - own
