@@ -14,7 +14,8 @@ whose per-channel statistics are fitted in one of two ways, which the codec decl
   indices.
 
 Storage: `key_codes` / `value_codes` (token-aligned `quant.rows.TokenRows`, every field `[batch, kv_heads, held,
-...]`), `pending_keys` while some row waits for its statistics, and the key codec's statistics (counted as held).
+...]`; on the CPU views of the first rows of a `quant.rows.RowBuffer`'s storage, whose spare rows a decode step
+writes its token into and which count as held), `pending_keys` while some row waits for its statistics, and the key codec's statistics (counted as held).
 With `sliding_window` the layer keeps only the newest `sliding_window - 1` tokens, as transformers' sliding layer
 does (same mask sizes), and cannot be cropped once it has dropped tokens.
 """
@@ -28,7 +29,7 @@ import torch
 from ..kernels.segments import TokenSegment
 from ..options import check_positive_int
 from ..quant.prerope import FIT_TOKENS, PreRopeKeys
-from ..quant.rows import TokenFormat, TokenRows
+from ..quant.rows import RowBuffer, TokenFormat, TokenRows
 from ..rope import version_of
 from .base import CompressedLayer
 
@@ -82,6 +83,7 @@ class CodedLayer(CompressedLayer):
         self.key_codes: TokenRows | None = None
         self.value_codes: TokenRows | None = None
         self.pending_keys: torch.Tensor | None = None  # every key so far, while some row is not fitted (per_row)
+        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()  # spare rows the codes are appended into
 
     def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The positions at which RoPE is undone for cache indices start..start+n-1: with a per-row key codec and
@@ -98,13 +100,13 @@ class CodedLayer(CompressedLayer):
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         codec, n = self.key_codec, key_states.shape[2]
         if codec is None:
-            self.key_codes = self._joined(self.key_codes, self.format.quantize(key_states))
+            self.key_codes = self.key_buffer.append(self.key_codes, self.format.quantize(key_states))
         elif codec.per_row:
             self._append_row_fitted(key_states)
         else:
             held, new = codec.encode(key_states, self.cumulative_length - n, self.key_codes)
-            self.key_codes = self._joined(held, new)
-        self.value_codes = self._joined(self.value_codes, self.format.quantize(value_states))
+            self.key_codes = self.key_buffer.append(held, new)
+        self.value_codes = self.value_buffer.append(self.value_codes, self.format.quantize(value_states))
         self._keep_window()
 
     def _append_row_fitted(self, keys: torch.Tensor) -> None:
@@ -116,7 +118,7 @@ class CodedLayer(CompressedLayer):
         pending, self.pending_keys = self.pending_keys, None
         if pending is None and codec.fitted:  # every row fitted
             positions, _ = self._positions(seen - n, n, b)
-            self.key_codes = self._joined(self.key_codes, codec.encode_keys(keys, positions))
+            self.key_codes = self.key_buffer.append(self.key_codes, codec.encode_keys(keys, positions))
             return
         keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
         held = keys.shape[2]
@@ -135,7 +137,7 @@ class CodedLayer(CompressedLayer):
             self.rows_fitted = fitted = fitted | ready
             if bool(fitted.all()):
                 self.rows_fitted = None
-                self.key_codes = self._joined(self.key_codes, codec.quantize_pre(pre))
+                self.key_codes = self.key_buffer.append(self.key_codes, codec.quantize_pre(pre))
                 return
         self.pending_keys = keys
 
@@ -175,6 +177,7 @@ class CodedLayer(CompressedLayer):
         return 0 if self.value_codes is None else self.value_codes.codes.shape[0]
 
     def _map_store(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()  # the spare rows go with the old storage
         if self.key_codes is not None:
             self.key_codes = self.key_codes.map_rows(fn)
         if self.value_codes is not None:
@@ -204,11 +207,6 @@ class CodedLayer(CompressedLayer):
         check_window_crop(self, n)
         keep = self.tokens_held() - n
         self._map_store(lambda t: t[:, :, :keep])
-
-    @staticmethod
-    def _joined(held: TokenRows | None, new: TokenRows) -> TokenRows:
-        """`new` appended to `held` along the tokens."""
-        return new if held is None else held.cat(new)
 
     def _keep_window(self) -> None:
         """With `sliding_window`, drop the tokens no later query can see (copies: no view keeps them alive)."""
@@ -241,6 +239,7 @@ class CodedLayer(CompressedLayer):
             raise ValueError("these codes hold pre-RoPE keys, but this cache stores keys as they come: rebuild it "
                              "with key_quant='prerope' and the model config")
         self.pending_keys = tensors.pop("k_pending", None)
+        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()
         self.key_codes, self.value_codes = (self._loaded(tensors, prefix, n)
                                             for prefix, n in (("k", self.head_dim), ("v", self.value_dim)))
         if tensors:
@@ -257,5 +256,6 @@ class CodedLayer(CompressedLayer):
         super().reset()
         self.rows_fitted = None
         self.key_codes = self.value_codes = self.pending_keys = None
+        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()
         if self.key_codec is not None:
             self.key_codec.shift = self.key_codec.scale = None

@@ -65,6 +65,62 @@ class TokenRows:
         return self.map_rows(lambda t: t.clone())
 
 
+def _prefix_of(held: TokenRows, backing: TokenRows) -> bool:
+    """Whether every row field of `held` is the first rows of `backing`'s (same storage, start and strides)."""
+    for f in held.row_fields():
+        a, b = getattr(held, f), getattr(backing, f)
+        if (a.data_ptr() != b.data_ptr() or a.stride() != b.stride() or a.shape[:-2] != b.shape[:-2]
+                or a.shape[-1] != b.shape[-1] or a.shape[-2] > b.shape[-2]):
+            return False
+    return True
+
+
+@dataclasses.dataclass
+class RowBuffer:
+    """Appends token rows into spare rows allocated behind them, so that a decode step writes its token's codes in
+    place instead of copying every row held (`TokenRows.cat` does). The held rows are views of the first rows of
+    `backing`; when the room runs out (or the held rows are no longer its first rows: reordered, cropped to a copy,
+    loaded) a new backing is allocated and the rows copied once, with `room(tokens)` spare rows after an append of
+at most `SMALL_APPEND` tokens (a decode step; a prompt's chunks are held exactly, as by `cat`). The spare rows are
+    allocated storage, so they count in the bytes a layer holds (`accounting.held_bytes` counts storages).
+
+    Only formats whose fields are all per token (`row_fields` of 1) and tensors on the CPU take spare rows (elsewhere
+    `append` is `cat`: the GPU kernels read codes as contiguous tensors)."""
+
+    backing: TokenRows | None = None
+    SMALL_APPEND: ClassVar[int] = 16  # appends of at most this many tokens (decode steps) leave room behind them
+
+
+    @staticmethod
+    def room(tokens: int) -> int:
+        """Spare rows allocated behind `tokens` held ones: 1/64 of them (none below 64 tokens), so that the rows are
+        copied about once every `tokens / 64` steps and the room adds at most 1/64 to the bytes held."""
+        return tokens // 64
+
+    def append(self, held: TokenRows | None, new: TokenRows) -> TokenRows:
+        """`new` after `held` (`held` None: `new` itself), as views of the backing's first rows where it takes them."""
+        if held is None:
+            self.backing = None
+            return new
+        fields = held.row_fields()
+        if any(per != 1 for per in fields.values()) or held.codes.device.type != "cpu":
+            self.backing = None
+            return held.cat(new)
+        if (any(x is not y for x, y in zip(held.shared(), new.shared(), strict=True))
+                or any(getattr(held, f).shape[:-2] != getattr(new, f).shape[:-2] for f in fields)):
+            return held.cat(new)  # raises: another fitted state, or shapes that do not join
+        n, m, b = held.tokens, new.tokens, self.backing
+        writable = b is not None and (torch.is_inference_mode_enabled() or not b.codes.is_inference())
+        if not writable or n + m > b.tokens or not _prefix_of(held, b):
+            rows = n + m + (self.room(n + m) if m <= self.SMALL_APPEND else 0)
+            b = self.backing = held.map_rows(lambda t: t.new_empty(*t.shape[:-2], rows, t.shape[-1]))
+            for f in fields:
+                getattr(b, f)[..., :n, :].copy_(getattr(held, f))
+        for f in fields:
+            getattr(b, f)[..., n : n + m, :].copy_(getattr(new, f))
+        return b.slice(0, n + m)
+
+
 class TokenFormat(Protocol):
     """A per-token code format (`caches.uniform.UniformQuantOptions`, `quant.token.TokenQuant`)."""
 

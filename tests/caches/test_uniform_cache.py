@@ -328,3 +328,56 @@ def test_rotation_option_errors():
     cache = UniformQuantCache(dtype="int8", rotation="hadamard")  # no config: layers made as keys come
     with pytest.raises(ValueError, match="power-of-two head_dim, got 48; use rotation='none'"):
         cache.update(torch.randn(B, H, 2, 48), torch.randn(B, H, 2, 48), 0)
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_codes_appended_into_spare_rows_hold_what_cat_holds(dtype):
+    """A decode step writes its token's codes into spare rows behind the held ones (`quant.rows.RowBuffer`): the
+    layer holds the same codes as one that concatenates every step, through crops, a reorder of the batch and a
+    switch out of inference mode; the spare rows count in the bytes held (at most 1/64 more)."""
+    from hf_kvcache.quant.rows import RowBuffer
+
+    class CatRows(RowBuffer):
+        def append(self, held, new):
+            return new if held is None else held.cat(new)
+
+    spare, plain = (UniformQuantCache(config=tiny_config(), dtype=dtype) for _ in range(2))
+    fill(spare, chunks=(17, 1, 150))
+    fill(plain, chunks=(17, 1, 150))
+    for layer in plain.layers:
+        layer.key_buffer, layer.value_buffer = CatRows(), CatRows()
+
+    def step(n: int, seed: int) -> None:
+        g = torch.Generator().manual_seed(seed)
+        k, v = torch.randn(B, H, n, D, generator=g), torch.randn(B, H, n, D, generator=g)
+        for cache in (spare, plain):
+            for i in range(LAYERS):
+                cache.update(k, v, i)
+
+    def same() -> None:
+        for a, b in zip(spare.layers, plain.layers):
+            for x, y in ((a.key_codes, b.key_codes), (a.value_codes, b.value_codes)):
+                assert x.tokens == y.tokens and all(torch.equal(s, t) for s, t in zip(x.tensors(), y.tensors()))
+
+    with torch.inference_mode():
+        for s in range(13):
+            step(1, s)
+    same()
+    layer = spare.layers[0]
+    for codes, buffer in ((layer.key_codes, layer.key_buffer), (layer.value_codes, layer.value_buffer)):
+        assert codes.codes.data_ptr() == buffer.backing.codes.data_ptr()  # views of the spare storage's first rows
+    held, exact = spare.memory_stats()["bytes"], plain.memory_stats()["bytes"]
+    room = sum((buffer.backing.tokens - codes.tokens) * sum(t[:, :, :1].nbytes for t in buffer.backing.tensors())
+               for layer in spare.layers
+               for codes, buffer in ((layer.key_codes, layer.key_buffer), (layer.value_codes, layer.value_buffer)))
+    assert room > 0 and held == exact + room and held <= exact * (1 + 1 / 64)
+    for cache in (spare, plain):
+        cache.crop(-3)
+    for s in range(5):  # outside inference mode: the inference-mode storage is not written, new storage is taken
+        step(1, 100 + s)
+    same()
+    for cache in (spare, plain):
+        cache.reorder_cache(torch.tensor([1, 0]))
+    step(2, 200)
+    step(1, 201)
+    same()
