@@ -17,42 +17,18 @@ import argparse
 import statistics
 from pathlib import Path
 
-import torch
 from hf_kvcache.kernels import native_subspace
-from subspace_codes import _Timed, captured_calls
+from subspace_codes import _Timed, parsed_step, time_builds
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("sources", nargs="+", type=Path, help="C sources of the kernel to time beside the current one")
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=40)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    if native_subspace.library() is None:
-        raise SystemExit("the native subspace kernel is unavailable here (no C compiler, or HF_KVCACHE_NATIVE=0)")
-    calls = captured_calls(args.model, args.tokens)
-    if not calls:
-        raise SystemExit(f"no layer of {args.model} holds a subspace archive after {args.tokens} tokens")
-    real = native_subspace.library
-    builds = {"current": _Timed(real())}
+    args, calls = parsed_step(ap, rounds=40)
+    builds = {"current": _Timed(native_subspace.library())}
     for source in args.sources:
         builds[str(source)] = _Timed(native_subspace._compile(source=source))
-    outs, times = {}, {name: [] for name in builds}
-    try:
-        for name, lib in builds.items():
-            native_subspace.library = lambda lib=lib: lib
-            outs[name] = [native_subspace.coefficient_partial(*c) for c in calls]
-        for _ in range(args.rounds):
-            for name, lib in builds.items():
-                native_subspace.library = lambda lib=lib: lib
-                lib.seconds = 0.0
-                for c in calls:
-                    native_subspace.coefficient_partial(*c)
-                times[name].append(lib.seconds * 1e3)
-    finally:
-        native_subspace.library = real
+    outs, times = time_builds(builds, calls, args.rounds)
     print(f"{args.model}, {args.tokens} tokens: {len(calls)} subspace partials a step")
     for name, ts in times.items():
         ratio = statistics.median(c / t for c, t in zip(times["current"], ts))

@@ -67,27 +67,16 @@ class _Timed:
         return timed
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--tokens", type=int, default=2048)
-    ap.add_argument("--rounds", type=int, default=60)
-    args = ap.parse_args()
-    torch.set_num_threads(1)
-    if native_subspace.library() is None:
-        raise SystemExit("the native subspace kernel is unavailable here (no C compiler, or HF_KVCACHE_NATIVE=0)")
-    calls = captured_calls(args.model, args.tokens)
-    if not calls:
-        raise SystemExit(f"no layer of {args.model} holds a subspace archive after {args.tokens} tokens")
-    builds = {"vector": _Timed(native_subspace.library()),
-              "scalar": _Timed(native_subspace._compile(native_subspace.SCALAR_CODES_FLAGS))}
+def time_builds(builds: dict[str, _Timed], calls: list[tuple], rounds: int) -> tuple[dict, dict]:
+    """Each build's partials of `calls` (name -> list of partials) and, over `rounds` rounds taking turns, the C time of
+    each build reading them all (name -> ms a round)."""
     real = native_subspace.library
     outs, times = {}, {name: [] for name in builds}
     try:
         for name, lib in builds.items():
             native_subspace.library = lambda lib=lib: lib
             outs[name] = [native_subspace.coefficient_partial(*c) for c in calls]
-        for _ in range(args.rounds):
+        for _ in range(rounds):
             for name, lib in builds.items():
                 native_subspace.library = lambda lib=lib: lib
                 lib.seconds = 0.0
@@ -96,6 +85,30 @@ def main() -> None:
                 times[name].append(lib.seconds * 1e3)
     finally:
         native_subspace.library = real
+    return outs, times
+
+
+def parsed_step(ap: argparse.ArgumentParser, rounds: int) -> tuple[argparse.Namespace, list[tuple]]:
+    """`ap`'s arguments with `--model`, `--tokens` and `--rounds` added, and the captured partials of that step (on
+    one thread); exits where the kernel is unavailable or no layer holds a subspace archive."""
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--tokens", type=int, default=2048)
+    ap.add_argument("--rounds", type=int, default=rounds)
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    if native_subspace.library() is None:
+        raise SystemExit("the native subspace kernel is unavailable here (no C compiler, or HF_KVCACHE_NATIVE=0)")
+    calls = captured_calls(args.model, args.tokens)
+    if not calls:
+        raise SystemExit(f"no layer of {args.model} holds a subspace archive after {args.tokens} tokens")
+    return args, calls
+
+
+def main() -> None:
+    args, calls = parsed_step(argparse.ArgumentParser(description=__doc__.splitlines()[0]), rounds=60)
+    builds = {"vector": _Timed(native_subspace.library()),
+              "scalar": _Timed(native_subspace._compile(native_subspace.SCALAR_CODES_FLAGS))}
+    outs, times = time_builds(builds, calls, args.rounds)
     same = all(torch.equal(a, b) for x, y in zip(outs["vector"], outs["scalar"]) for a, b in zip(x, y))
     print(f"{args.model}, {args.tokens} tokens: {len(calls)} subspace partials a step; the builds' partials "
           f"{'are the same bits' if same else 'DIFFER'}")

@@ -20,7 +20,7 @@ order), `cache_mb`, `ratio` (vs fp16), `vs_first` (tokens/s vs the first variant
 first step after a chunked prompt) and, from three rounds, `steady_vs_first` with its interval (the same ratio over
 the rounds after the first), on fused rows `vs_dequantize`
 (tokens/s vs the same cache's dequantize row) and, on the CPU, `scratch_mb` (the reusable O(block) scratch the CPU
-fused path holds, allocated once).
+fused path holds, allocated once, and the float32 weights of the subspace bases its kernel keeps).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from hf_kvcache.kernels import native
+from hf_kvcache.kernels import native, native_subspace
 from hf_kvcache.kernels.blockwise import scratch_bytes
 
 from hf_kvcache.caches.base import memory_stats
@@ -182,5 +182,6 @@ def run(opts: DecodeOptions) -> list[Row]:
             deq = next(r for r, w in zip(rows, chosen) if w.spec is v.spec and not w.fused)
             row["vs_dequantize"] = row["decode_tokens_per_s"] / deq["decode_tokens_per_s"]
             if not ids.is_cuda:
-                row["scratch_mb"] = scratch_bytes() / 2**20
+                # the kernels' working memory: scratch buffers and the subspace bases' float32 weights they keep
+                row["scratch_mb"] = (scratch_bytes() + native_subspace.held_weight_bytes()) / 2**20
     return rows
