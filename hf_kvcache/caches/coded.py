@@ -83,7 +83,12 @@ class CodedLayer(CompressedLayer):
         self.key_codes: TokenRows | None = None
         self.value_codes: TokenRows | None = None
         self.pending_keys: torch.Tensor | None = None  # every key so far, while some row is not fitted (per_row)
-        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()  # spare rows the codes are appended into
+        self.key_buffer: RowBuffer = RowBuffer()  # spare rows the key codes are appended into
+        self.value_buffer: RowBuffer = RowBuffer()
+
+    def _new_buffers(self) -> None:
+        """Fresh `RowBuffer`s for the keys' and values' codes (no spare rows: the next append allocates them)."""
+        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()
 
     def _positions(self, start: int, n: int, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The positions at which RoPE is undone for cache indices start..start+n-1: with a per-row key codec and
@@ -177,7 +182,7 @@ class CodedLayer(CompressedLayer):
         return 0 if self.value_codes is None else self.value_codes.codes.shape[0]
 
     def _map_store(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()  # the spare rows go with the old storage
+        self._new_buffers()  # the spare rows go with the old storage
         if self.key_codes is not None:
             self.key_codes = self.key_codes.map_rows(fn)
         if self.value_codes is not None:
@@ -239,7 +244,7 @@ class CodedLayer(CompressedLayer):
             raise ValueError("these codes hold pre-RoPE keys, but this cache stores keys as they come: rebuild it "
                              "with key_quant='prerope' and the model config")
         self.pending_keys = tensors.pop("k_pending", None)
-        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()
+        self._new_buffers()
         self.key_codes, self.value_codes = (self._loaded(tensors, prefix, n)
                                             for prefix, n in (("k", self.head_dim), ("v", self.value_dim)))
         if tensors:
@@ -256,6 +261,6 @@ class CodedLayer(CompressedLayer):
         super().reset()
         self.rows_fitted = None
         self.key_codes = self.value_codes = self.pending_keys = None
-        self.key_buffer, self.value_buffer = RowBuffer(), RowBuffer()
+        self._new_buffers()
         if self.key_codec is not None:
             self.key_codec.shift = self.key_codec.scale = None

@@ -81,7 +81,7 @@ class RowBuffer:
     place instead of copying every row held (`TokenRows.cat` does). The held rows are views of the first rows of
     `backing`; when the room runs out (or the held rows are no longer its first rows: reordered, cropped to a copy,
     loaded) a new backing is allocated and the rows copied once, with `room(tokens)` spare rows after an append of
-at most `SMALL_APPEND` tokens (a decode step; a prompt's chunks are held exactly, as by `cat`). The spare rows are
+    at most `SMALL_APPEND` tokens (a decode step; a prompt's chunks are held exactly, as by `cat`). The spare rows are
     allocated storage, so they count in the bytes a layer holds (`accounting.held_bytes` counts storages).
 
     Only formats whose fields are all per token (`row_fields` of 1) and tensors on the CPU take spare rows (elsewhere
@@ -89,7 +89,6 @@ at most `SMALL_APPEND` tokens (a decode step; a prompt's chunks are held exactly
 
     backing: TokenRows | None = None
     SMALL_APPEND: ClassVar[int] = 16  # appends of at most this many tokens (decode steps) leave room behind them
-
 
     @staticmethod
     def room(tokens: int) -> int:
