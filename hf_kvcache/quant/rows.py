@@ -88,6 +88,7 @@ class RowBuffer:
     `append` is `cat`: the GPU kernels read codes as contiguous tensors)."""
 
     backing: TokenRows | None = None
+    view: TokenRows | None = dataclasses.field(default=None, repr=False)  # the rows `append` returned last
     SMALL_APPEND: ClassVar[int] = 16  # appends of at most this many tokens (decode steps) leave room behind them
 
     @staticmethod
@@ -98,6 +99,10 @@ class RowBuffer:
 
     def append(self, held: TokenRows | None, new: TokenRows) -> TokenRows:
         """`new` after `held` (`held` None: `new` itself), as views of the backing's first rows where it takes them."""
+        b = self.backing
+        if held is not None and held is self.view and self._fits(b, new, held.tokens + new.tokens):
+            return self._write(b, held.tokens, new)  # a decode step: the rows returned last, room behind them
+        self.view = None
         if held is None:
             self.backing = None
             return new
@@ -108,16 +113,40 @@ class RowBuffer:
         if (any(x is not y for x, y in zip(held.shared(), new.shared(), strict=True))
                 or any(getattr(held, f).shape[:-2] != getattr(new, f).shape[:-2] for f in fields)):
             return held.cat(new)  # raises: another fitted state, or shapes that do not join
-        n, m, b = held.tokens, new.tokens, self.backing
-        writable = b is not None and (torch.is_inference_mode_enabled() or not b.codes.is_inference())
-        if not writable or n + m > b.tokens or not _prefix_of(held, b):
+        n, m = held.tokens, new.tokens
+        if not self._fits(b, new, n + m) or not _prefix_of(held, b):
             rows = n + m + (self.room(n + m) if m <= self.SMALL_APPEND else 0)
             b = self.backing = held.map_rows(lambda t: t.new_empty(*t.shape[:-2], rows, t.shape[-1]))
             for f in fields:
                 getattr(b, f)[..., :n, :].copy_(getattr(held, f))
+        return self._write(b, n, new)
+
+    @staticmethod
+    def _fits(b: TokenRows | None, new: TokenRows, tokens: int) -> bool:
+        """Whether the backing `b` takes `new`'s rows up to `tokens` rows in all: room for them, writable here (not
+        an inference tensor outside inference mode), the same fields, leading dims, row widths and shared state."""
+        if b is None or tokens > b.tokens or not (torch.is_inference_mode_enabled() or not b.codes.is_inference()):
+            return False
+        fields = b.row_fields()
+        if (type(new) is not type(b) or new.row_fields().keys() != fields.keys()
+                or any(x is not y for x, y in zip(b.shared(), new.shared(), strict=True))):
+            return False
         for f in fields:
-            getattr(b, f)[..., n : n + m, :].copy_(getattr(new, f))
-        return b.slice(0, n + m)
+            x, y = getattr(b, f), getattr(new, f)
+            if x.shape[:-2] != y.shape[:-2] or x.shape[-1] != y.shape[-1] or x.dtype != y.dtype:
+                return False
+        return True
+
+    def _write(self, b: TokenRows, n: int, new: TokenRows) -> TokenRows:
+        """`new`'s rows written into rows n.. of `b`; the first rows up to them as views (kept as `view`)."""
+        m = new.tokens
+        views = {}
+        for f in b.row_fields():
+            t = getattr(b, f)
+            t.narrow(-2, n, m).copy_(getattr(new, f))
+            views[f] = t.narrow(-2, 0, n + m)
+        self.view = dataclasses.replace(b, **views)
+        return self.view
 
 
 class TokenFormat(Protocol):
