@@ -46,7 +46,9 @@ def _compile() -> ctypes.CDLL:
     lib.native_supports.restype = i
     lib.native_supports.argtypes = [i] * 6
     lib.token_partial.restype = i
-    lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, p, i64, i64, i64, i, i, p, p,
+    f = ctypes.c_float
+    lib.token_partial.argtypes = [p, i, i, i, i, i, p, i64, i64, i64, i, i, p, p, i64, i64, i64, f,
+                                  p, i64, i64, i64, i, i, p, p, i64, i64, i64, f,
                                   p, p, i64, p, p, i64, i64, p, p, p, p, p, p, p, i, i, i, i, p, p, p, p, p, p, p]
     lib.token_supports.restype = i
     lib.token_supports.argtypes = [i] * 6
@@ -156,9 +158,12 @@ def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Te
 
 def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
     """Whether `token_partial_native` takes these grouped queries [B, H, M, D] over this per-token segment (CPU,
-    integer codes of 2, 4 or 8 bits or fp8 codes, M <= 16 rows, head_dim 64 / 128 / 256 for keys and values alike)."""
+    integer codes of 2, 4 or 8 bits or fp8 codes with fp16 scales, M <= 16 rows, head_dim 64 / 128 / 256 for keys and
+    values alike)."""
     k, v = seg.keys, seg.values
     if q.device.type != "cpu" or k.codes.device.type != "cpu":
+        return False
+    if any(t is not None and t.dtype != torch.float16 for t in (k.scale, k.zero, v.scale, v.zero)):
         return False
     if k.n != q.shape[3] or v.n != q.shape[3]:
         return False
@@ -166,13 +171,15 @@ def supports_tokens(q: torch.Tensor, seg: TokenSegment) -> bool:
                                                   k.group_size, v.group_size)
 
 
-def _scale_zero(x) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 scale and zero of codes: a symmetric integer format's offset code becomes a zero of -offset * scale;
-    fp8 codes have none."""
-    scale = as_float32(x.scale)
-    if x.zero is not None:
-        return scale, as_float32(x.zero)
-    return scale, scale * (0.0 if x.fmt in FP8_DTYPES else -(2 ** (x.bits - 1) - 1))
+def _half_scales(x) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int, int], float]:
+    """The fp16 scales and zeros (None: none stored) of per-token codes `[B, H, T, groups]` as the per-token kernel
+    reads them, their element strides (batch, head, token; the last dim contiguous, the zeros' the same), and the
+    factor that gives a zero from its scale where none is stored (a symmetric integer format's -offset, 0 for fp8)."""
+    scale, zero = x.scale, x.zero
+    if scale.stride(-1) != 1 or (zero is not None and zero.stride() != scale.stride()):
+        scale, zero = scale.contiguous(), None if zero is None else zero.contiguous()
+    offset = 0.0 if x.fmt in FP8_DTYPES or zero is not None else -float(2 ** (x.bits - 1) - 1)
+    return scale, zero, tuple(scale.stride()[:3]), offset
 
 
 _FP8_TABLES: dict[str, torch.Tensor] = {}
@@ -233,9 +240,12 @@ _last_angles = PerRope()  # (positions, their version, a copy, cos, sin) per RoP
 _tile_angles = PerRope()  # (cos, sin) `[D / 2, tile]` of positions 0..tile-1, no attention scaling: see `_angles`
 
 
-# The widest key codes whose angles the kernel composes (`_angles`): the composition's rounding grows with the position
-# and stays far below what 4-bit codes lose; 8-bit codes keep every column (docs/results/speed.md has the figures).
+# The widest key codes whose angles the kernel composes at any position (`_angles`): the composition's rounding grows
+# with the position and stays far below what 4-bit codes lose. Wider (8-bit) codes compose while every position is
+# below COMPOSED_WIDE_POSITIONS, where the rounding stays under a tenth of what their own codes lose on the output;
+# past it they read every column (docs/results/speed.md has the figures).
 COMPOSED_MAX_BITS = 4
+COMPOSED_WIDE_POSITIONS = 32768
 
 
 def _tile_table(rope) -> tuple[torch.Tensor, torch.Tensor]:
@@ -249,10 +259,12 @@ def _tile_table(rope) -> tuple[torch.Tensor, torch.Tensor]:
     return held
 
 
-def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor, int, tuple | None]:
+def _angles(rope, positions: torch.Tensor, tokens: int, compose_below: int | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor, int, tuple | None]:
     """cos and sin `[B or 1, D / 2, T]` of RoPE at `positions` (`[T]`, or `[B, 1, T]`: `T = tokens`), times its
     attention scaling, their row stride (elements), and the tile table (`_tile_table`) where the kernel may compose
-    the angles (None: it reads every column).
+    the angles (None: it reads every column). `compose_below`: compose only while every position is below it (None:
+    at any position).
 
     Consecutive positions shared by every row (a layer holding the newest tokens: every layer of every decode step)
     are columns of this thread's table of positions `0..` kept per RoPE object (`[1, D / 2, capacity]`, grown to the
@@ -264,7 +276,8 @@ def _angles(rope, positions: torch.Tensor, tokens: int) -> tuple[torch.Tensor, t
     start = _consecutive_start(positions)
     if start is not None:
         n, cos, sin = position_table(_angle_tables, rope, start + tokens, _position_columns)
-        return cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n, _tile_table(rope)
+        tile = _tile_table(rope) if compose_below is None or start + tokens <= compose_below else None
+        return cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n, tile
     last = _last_angles.get(rope)
     if last is not None and (
         (last[0] is positions and last[1] == version_of(positions))
@@ -354,22 +367,23 @@ def _token_call(q: torch.Tensor, seg: TokenSegment, key_valid: torch.Tensor | No
     nd = 0 if dk is None else dk.shape[2]
     q = as_float32(q)
     (kc, klut), (vc, vlut) = _codes_and_table(seg.keys), _codes_and_table(seg.values)
-    (ks, kz), (vs, vz) = _scale_zero(seg.keys), _scale_zero(seg.values)
+    ks, kz, k_st, k_off = _half_scales(seg.keys)
+    vs, vz, v_st, v_off = _half_scales(seg.values)
     shift = scale = cos = sin = tile = None
     cs_sb = r_sb = r_st = 0
     codec = seg.key_codec
     if codec is not None:  # shift, scale [B or 1, H, 1, D]
         shift, scale = as_float32(codec.shift), as_float32(codec.scale)
         cs_sb = h * d if blocks_of(shift, h * d) > 1 else 0
-        cos, sin, r_st, tile = _angles(codec.rope, seg.positions, t)
-        if seg.keys.bits > COMPOSED_MAX_BITS:  # 8-bit codes: every column read, the model's own angles
-            tile = None
+        wide = seg.keys.bits > COMPOSED_MAX_BITS  # 8-bit codes: composed at the first positions only
+        cos, sin, r_st, tile = _angles(codec.rope, seg.positions, t, COMPOSED_WIDE_POSITIONS if wide else None)
         r_sb = (d // 2) * r_st if cos.shape[0] > 1 else 0  # [B or 1, D / 2, T] of rows r_st apart
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     tile_ptrs = (None, None) if tile is None else (_ptr(tile[0]), _ptr(tile[1]))
     rc = library().token_partial(
         _ptr(q), b, h, m, d, t, _ptr(kc), *kc.stride()[:3], seg.keys.bits, seg.keys.group_size, _ptr(ks), _ptr(kz),
-        _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz),
+        *k_st, k_off, _ptr(vc), *vc.stride()[:3], seg.values.bits, seg.values.group_size, _ptr(vs), _ptr(vz), *v_st,
+        v_off,
         _ptr(shift), _ptr(scale), cs_sb, _ptr(cos), _ptr(sin), r_sb, r_st, *tile_ptrs, _ptr(valid), _ptr(klut), _ptr(vlut),
         _ptr(dk), _ptr(dv), nd, chunks, torch.get_num_threads(), int(normalize), *ptrs, acc.data_ptr(),
     )

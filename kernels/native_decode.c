@@ -19,6 +19,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fp16_bits.h"
+
 #define MAXM 16           /* query rows per KV head */
 #define MAXD 256          /* head dim */
 #define MAXTG 64          /* tokens per tile */
@@ -136,14 +138,18 @@ INLINE void unpack_scaled(const uint8_t* row, const float* sj, float* c, const i
         for (int j = 0; j < vpb; j++) c[l * vpb + j] = (float)((row[j] >> (bits * l)) & mask) * sj[j];
 }
 
-/* out[m, d] = sum_t p[m * n + t] v[t, d] from value codes vc (row stride vc_st), scales and zeros vs, vz [n, J].
-   Codes unpack lane by lane: lane l of byte j is channel j * vper + l, held at i = l * vpb + j. */
+/* out[m, d] = sum_t p[m * n + t] v[t, d] from value codes vc (row stride vc_st), scales and zeros vs, vz [n, J]
+   float32; or, where vsh is set, fp16 scales vsh and zeros vzh (rows vh_st apart; vzh NULL: each zero is voff times
+   its scale), read a tile at a time. Codes unpack lane by lane: lane l of byte j is channel j * vper + l, held at
+   i = l * vpb + j. */
 INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
-                   const float* vs, const float* vz, const float* lut, int n, float* out) {
+                   const float* vs, const float* vz, const half* vsh, const half* vzh, int64_t vh_st, float voff,
+                   const float* lut, int n, float* out) {
     const int vper = 8 / vbits, vpb = D / vper, J = D / vgroup;
     float acc[MAXM * MAXD] __attribute__((aligned(64)));
     float accz[MAXM * MAXD];
     float cw[MAXTG * MAXD] __attribute__((aligned(64)));  /* cw[tt * D + i]: code times its scale */
+    float vst[MAXTG * MAXG], vzt[MAXTG * MAXG];            /* a tile's fp16 scales and zeros as float32 */
     int grp[MAXD];                                          /* the scale group of byte j */
     for (int j = 0; j < vpb; j++) grp[j] = j * vper / vgroup;
     const int bpg = vgroup % vper == 0 ? vgroup / vper : 0;  /* bytes per scale group (0: a byte spans groups) */
@@ -151,9 +157,16 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
     memset(accz, 0, sizeof(float) * M * J);
     for (int t0 = 0; t0 < n; t0 += MAXTG) {
         const int nt = n - t0 < MAXTG ? n - t0 : MAXTG;
+        if (vsh)
+            for (int tt = 0; tt < nt; tt++)
+                for (int j = 0; j < J; j++) {
+                    const float x = (float)vsh[(int64_t)(t0 + tt) * vh_st + j];
+                    vst[tt * J + j] = x;
+                    vzt[tt * J + j] = vzh ? (float)vzh[(int64_t)(t0 + tt) * vh_st + j] : voff * x;
+                }
         for (int tt = 0; tt < nt; tt++) {
             const uint8_t* row = vc + (int64_t)(t0 + tt) * vc_st;
-            const float* sc = vs + (int64_t)(t0 + tt) * J;
+            const float* sc = vsh ? vst + tt * J : vs + (int64_t)(t0 + tt) * J;
             float sj[MAXD] __attribute__((aligned(64)));
             if (bpg)  /* whole bytes per group: each group's scale broadcast over its bytes */
                 for (int g = 0; g < J; g++)
@@ -174,7 +187,7 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
         rows_update_all(p + t0, n, M, nt, cw, D, acc);  /* each row of cw read once per four rows */
         for (int m = 0; m < M; m++) {
             const float* pm = p + (int64_t)m * n + t0;
-            const float* z = vz + (int64_t)t0 * J;
+            const float* z = vsh ? vzt : vz + (int64_t)t0 * J;
             for (int j = 0; j < J; j++) {
                 float zj = 0.f;
                 for (int tt = 0; tt < nt; tt++) zj += pm[tt] * z[tt * J + j];
@@ -192,14 +205,15 @@ INLINE void values(const float* p, int M, const int D, const uint8_t* vc, int64_
 
 /* Scores s[M, n] -> the chunk's partial: masked keys (valid[t] == 0) score NEG, softmax per row, then the values. */
 INLINE void scores_to_partial(float* s, int M, const int D, int n, const uint8_t* valid, const uint8_t* vc,
-                              int64_t vc_st, int vbits, int vgroup, const float* vs, const float* vz, const float* lut,
-                              float* mx, float* sum, float* acc) {
+                              int64_t vc_st, int vbits, int vgroup, const float* vs, const float* vz, const half* vsh,
+                              const half* vzh, int64_t vh_st, float voff, const float* lut, float* mx, float* sum,
+                              float* acc) {
     if (valid)
         for (int t = 0; t < n; t++)
             if (!valid[t])
                 for (int m = 0; m < M; m++) s[(int64_t)m * n + t] = NEG;
     softmax_rows(s, M, n, mx, sum);
-    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, lut, n, acc);
+    values(s, M, D, vc, vc_st, vbits, vgroup, vs, vz, vsh, vzh, vh_st, voff, lut, n, acc);
 }
 
 /* One task: the partial of rows q[M, D] over n tokens (pointers already at the chunk's first token). */
@@ -208,7 +222,7 @@ INLINE void chunk_partial(const float* q, int M, const int D, int n, const uint8
                           int vbits, int vgroup, const float* vs, const float* vz, const uint8_t* valid,
                           float* s, float* mx, float* sum, float* acc, const int TG) {
     scores(q, M, D, kc, kc_st, kbits, kgroup, ks, kz, n, s, TG);
-    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, 0, mx, sum, acc);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, 0, 0, 0, 0.f, 0, mx, sum, acc);
 }
 
 #define VARIANT(DD, TT)                                                                                          \
@@ -362,11 +376,13 @@ static void dense_partial(const float* q, int M, int D, int nd, const float* dk,
    whose cos / sin are rc[j, t], rs[j, t] (j < D / 2). Each tile of tokens is decoded into a small float buffer once
    and read by every query row of the KV head. */
 
-/* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of per-token key codes kc (row stride kc_st bytes), scales
-   and zeros ks, kz [n, D / kgroup]; with a pre-RoPE frame, cos / sin rows rc, rs [D / 2, r_st] (token t at column t).
+/* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of per-token key codes kc (row stride kc_st bytes), fp16
+   scales and zeros ks, kz [n, D / kgroup] (rows kh_st apart; kz NULL: each zero is koff times its scale); with a
+   pre-RoPE frame, cos / sin rows rc, rs [D / 2, r_st] (token t at column t).
    A tile of MAXTG tokens is decoded channel-major (kt[d * MAXTG + tt]), so that every step runs along the tokens. */
 INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st,
-                         const int kbits, int kgroup, const float* ks, const float* kz, const float* klut,
+                         const int kbits, int kgroup, const half* ks, const half* kz, int64_t kh_st, float koff,
+                         const float* klut,
                          const float* cshift, const float* cscale, const float* rc, const float* rs, int64_t r_st,
                          const float* rc0, const float* rs0, float* s) {
     enum { TG = MAXTG };
@@ -394,8 +410,9 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
             const uint8_t* row = kc + t * kc_st;
             for (int w = 0; w < words; w++) trw[w * TG + tt] = tt < nt ? load32(row + 4 * w) : 0u;
             for (int g = 0; g < G; g++) {
-                sct[g * TG + tt] = tt < nt ? ks[t * G + g] : 0.f;
-                zct[g * TG + tt] = tt < nt ? kz[t * G + g] : 0.f;
+                const float x = tt < nt ? (float)ks[t * kh_st + g] : 0.f;
+                sct[g * TG + tt] = x;
+                zct[g * TG + tt] = tt < nt ? (kz ? (float)kz[t * kh_st + g] : koff * x) : 0.f;
             }
         }
         if (cshift && nt == TG) {  /* a whole tile of pre-RoPE codes: decode channels d and d + D / 2 together and
@@ -464,26 +481,30 @@ INLINE void token_scores(const float* q, int M, const int D, int n, const uint8_
 
 /* One task of `token_partial`: rows q[M, D] over n tokens (pointers at the chunk's first token). */
 INLINE void token_chunk(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, const int kbits,
-                        int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
-                        int vgroup, const float* vs, const float* vz, const float* klut, const float* vlut,
+                        int kgroup, const half* ks, const half* kz, int64_t kh_st, float koff, const uint8_t* vc,
+                        int64_t vc_st, int vbits, int vgroup, const half* vs, const half* vz, int64_t vh_st,
+                        float voff, const float* klut, const float* vlut,
                         const float* cshift, const float* cscale, const float* rc, const float* rs, int64_t r_st,
                         const float* rc0, const float* rs0, const uint8_t* valid, float* s, float* mx, float* sum,
                         float* acc) {
-    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, klut, cshift, cscale, rc, rs, r_st, rc0, rs0, s);
-    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, vlut, mx, sum, acc);
+    token_scores(q, M, D, n, kc, kc_st, kbits, kgroup, ks, kz, kh_st, koff, klut, cshift, cscale, rc, rs, r_st, rc0,
+                 rs0, s);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, 0, 0, vs, vz, vh_st, voff, vlut, mx, sum, acc);
 }
 
 #define TOKEN_VARIANT(DD, KB)                                                                                    \
     if (D == DD && kbits == KB) {                                                                                \
-        token_chunk(q, M, DD, n, kc, kc_st, KB, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, klut, vlut,     \
+        token_chunk(q, M, DD, n, kc, kc_st, KB, kgroup, ks, kz, kh_st, koff, vc, vc_st, vbits, vgroup, vs, vz,    \
+                    vh_st, voff, klut, vlut,                                                                     \
                     cshift, cscale, rc, rs, r_st, rc0, rs0, valid, s, mx, sum, acc);                             \
         return;                                                                                                  \
     }
 #define TOKEN_BITS(DD) TOKEN_VARIANT(DD, 2) TOKEN_VARIANT(DD, 4) TOKEN_VARIANT(DD, 8)
 
 static void token_dispatch(const float* q, int M, int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
-                           int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits,
-                           int vgroup, const float* vs, const float* vz, const float* klut, const float* vlut,
+                           int kgroup, const half* ks, const half* kz, int64_t kh_st, float koff, const uint8_t* vc,
+                           int64_t vc_st, int vbits, int vgroup, const half* vs, const half* vz, int64_t vh_st,
+                           float voff, const float* klut, const float* vlut,
                            const float* cshift, const float* cscale,
                            const float* rc, const float* rs, int64_t r_st, const float* rc0, const float* rs0,
                            const uint8_t* valid, float* s, float* mx, float* sum, float* acc) {
@@ -524,8 +545,9 @@ static void normalize_rows(int64_t rows, int D, const float* sum, float* acc) {
 #endif
 
 /* The softmax partial over one segment of per-token key codes, as `quant_partial` (same outputs, chunks, work):
-   ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup] float32 contiguous; kc, vc uint8 with element
-   strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
+   fp16 scales and zeros ks, kz [B, H, T, D / kgroup] and vs, vz [B, H, T, D / vgroup], each pair with the element
+   strides ks_s / vs_s (b, h, token; the last dim contiguous); kz or vz NULL: each zero is koff / voff times its
+   scale (a symmetric format's -offset, fp8's 0). kc, vc uint8 with element strides (b, h, token). Pre-RoPE frame or NULL: cshift, cscale [B or 1, H, D] (batch stride cs_sb: H D or 0) and
    rc, rs [B or 1, D / 2, >= T] (token t of a row at column t; batch stride r_sb, row stride r_st >= T: a view of a
    wider table of positions). rc0, rs0 [D / 2, MAXTG] or NULL: where a row's positions count up by one, the cos / sin
    (no attention scaling) of positions 0..MAXTG-1; a tile's keys are then turned by these and its rows by the
@@ -536,8 +558,10 @@ static void normalize_rows(int64_t rows, int D, const float* sum, float* acc) {
    (a decode step's answer; 0 for a row with no key). Returns 1 for an unsupported shape. */
 struct token_args {
     const float* q; int M, D, T, G, J;
-    const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
-    const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
+    const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const half *ks, *kz; int64_t ks_sb, ks_sh, ks_st;
+    float koff;
+    const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const half *vs, *vz; int64_t vs_sb, vs_sh, vs_st;
+    float voff;
     const float *cshift, *cscale; int64_t cs_sb; const float *rc, *rs; int64_t r_sb, r_st; const float *rc0, *rs0;
     const uint8_t* valid;
     const float *klut, *vlut;
@@ -546,12 +570,13 @@ struct token_args {
 static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
                        float* sum, float* acc) {
     const struct token_args* a = p;
-    const int M = a->M, D = a->D, T = a->T, G = a->G, J = a->J;
+    const int M = a->M, D = a->D, T = a->T;
     const int framed = a->cshift != 0;
+    const int64_t ko = b * a->ks_sb + h * a->ks_sh + t0 * a->ks_st, vo = b * a->vs_sb + h * a->vs_sh + t0 * a->vs_st;
     token_dispatch(a->q + bh * M * D, M, D, n, a->kc + b * a->kc_sb + h * a->kc_sh + t0 * a->kc_st, a->kc_st,
-                   a->kbits, a->kgroup, a->ks + (bh * T + t0) * G, a->kz + (bh * T + t0) * G,
+                   a->kbits, a->kgroup, a->ks + ko, a->kz ? a->kz + ko : 0, a->ks_st, a->koff,
                    a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
-                   a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J, a->klut, a->vlut,
+                   a->vs + vo, a->vz ? a->vz + vo : 0, a->vs_st, a->voff, a->klut, a->vlut,
                    framed ? a->cshift + b * a->cs_sb + h * D : 0, framed ? a->cscale + b * a->cs_sb + h * D : 0,
                    framed ? a->rc + b * a->r_sb + t0 : 0, framed ? a->rs + b * a->r_sb + t0 : 0, a->r_st,
                    framed ? a->rc0 : 0, framed ? a->rs0 : 0, a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc);
@@ -559,9 +584,9 @@ static void token_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, 
 
 int token_partial(const float* q, int B, int H, int M, int D, int T,
                   const uint8_t* kc, int64_t kc_sb, int64_t kc_sh, int64_t kc_st, int kbits, int kgroup,
-                  const float* ks, const float* kz,
+                  const half* ks, const half* kz, int64_t ks_sb, int64_t ks_sh, int64_t ks_st, float koff,
                   const uint8_t* vc, int64_t vc_sb, int64_t vc_sh, int64_t vc_st, int vbits, int vgroup,
-                  const float* vs, const float* vz,
+                  const half* vs, const half* vz, int64_t vs_sb, int64_t vs_sh, int64_t vs_st, float voff,
                   const float* cshift, const float* cscale, int64_t cs_sb, const float* rc, const float* rs,
                   int64_t r_sb, int64_t r_st, const float* rc0, const float* rs0, const uint8_t* valid,
                   const float* klut, const float* vlut, const float* dk, const float* dv, int nd, int chunks, int threads, int normalize,
@@ -569,8 +594,9 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1 || nd < 0 || nd > MAXDENSE) return 1;
     if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
     const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
-                                 vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, cshift, cscale, cs_sb, rc, rs, r_sb,
-                                 r_st, rc0, rs0, valid, klut, vlut};
+                                 ks_sb, ks_sh, ks_st, koff, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, vs_sb,
+                                 vs_sh, vs_st, voff, cshift, cscale, cs_sb, rc, rs, r_sb, r_st, rc0, rs0, valid, klut,
+                                 vlut};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
     const int slots = chunks + (nd > 0);  /* the full-precision tokens: one more partial per row */
     run_tasks(B * H, H, M, D, T, per, chunks, slots, threads, token_task, &a, work, cmx, csum, cacc);

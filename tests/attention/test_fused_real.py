@@ -145,17 +145,19 @@ def test_uniform_int4_fused_matches_dequantize(smol, moby_text, fused_calls):
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 def test_uniform_one_row_fused_matches_dequantize(smol, moby_text, fused_calls, dtype):
-    """One row (consecutive positions: the per-token kernel reads one angle column a tile and composes the rest for
-    4-bit codes, every column for 8-bit ones) against the same cache state read through dequantize + SDPA."""
+    """One row (consecutive positions: the per-token kernel reads one angle column a tile and composes the rest, as
+    it does for 8-bit codes below `COMPOSED_WIDE_POSITIONS`) against the same cache state read through dequantize +
+    SDPA (the model's own angles at every position)."""
     model, tok = smol
     ids = load_tokens(tok, moby_text, 5000, 700)
     cache = UniformQuantCache(config=model.config, dtype=dtype)
     worst = fused_against_dequantize(model, ids, cache, 12)
     assert len(fused_calls) == 12 * model.config.num_hidden_layers, "not every decode step ran fused"
     print(f"max |fused - dequantize| logit difference, {dtype}, one row at 700-712: {worst:.2e}")
-    # measured on two machines (the C kernel is built for the machine it runs on): int4 2.96e-5 / 4.01e-5, int8
-    # 4.72e-5 / 4.20e-5: fp32 summation order, the same scale with the angles composed (int4) or not (int8)
-    assert worst < 6e-5, worst
+    # measured: int4 2.96e-5 / 4.01e-5 on two machines (the C kernel is built for the machine it runs on); int8
+    # 9.16e-5 with its angles composed too (4.2e-5 / 4.7e-5 when it read every column): fp32 summation order and the
+    # composition's rounding
+    assert worst < (6e-5 if dtype == "int4" else 1.2e-4), worst
 
 
 @pytest.mark.parametrize("prerope", [True, False], ids=["pre-rope", "post-rope"])
