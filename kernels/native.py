@@ -238,6 +238,7 @@ def _split(t: int, rows: int, chunks: int | None) -> tuple[int, int]:
 _angle_tables = PerRope()  # (n, cos, sin) of positions 0..n-1 per RoPE: see `_angles`
 _last_angles = PerRope()  # (positions, their version, a copy, cos, sin) per RoPE: see `_angles`
 _tile_angles = PerRope()  # (cos, sin) `[D / 2, tile]` of positions 0..tile-1, no attention scaling: see `_angles`
+_last_columns = PerRope()  # (start, tokens, composed, `_angles`' answer) of the last consecutive positions per RoPE
 
 
 # The widest key codes whose angles the kernel composes at any position (`_angles`): the composition's rounding grows
@@ -272,12 +273,18 @@ def _angles(rope, positions: torch.Tensor, tokens: int, compose_below: int | Non
     column a tile (the tile's first position p), turning the tile's keys by the angles of `0..tile-1` instead
     (R(p + t) = R(p) R(t): the same rotation up to float rounding, not the same bits). Other positions (per-row
     padding, the slots an evicting cache kept) get a table of their own, reused while the same RoPE asks at the same
-    positions (the layers of one decode step), every column read."""
+    positions (the layers of one decode step), every column read. The answer for consecutive positions is given
+    again while the same RoPE asks for the same ones (the layers of a decode step)."""
     start = _consecutive_start(positions)
     if start is not None:
+        composed = compose_below is None or start + tokens <= compose_below
+        last = _last_columns.get(rope)
+        if last is not None and last[:3] == (start, tokens, composed):
+            return last[3]
         n, cos, sin = position_table(_angle_tables, rope, start + tokens, _position_columns)
-        tile = _tile_table(rope) if compose_below is None or start + tokens <= compose_below else None
-        return cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n, tile
+        answer = (cos[:, :, start : start + tokens], sin[:, :, start : start + tokens], n,
+                  _tile_table(rope) if composed else None)
+        return _last_columns.put(rope, (start, tokens, composed, answer))[3]
     last = _last_angles.get(rope)
     if last is not None and (
         (last[0] is positions and last[1] == version_of(positions))

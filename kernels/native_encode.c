@@ -69,11 +69,13 @@ static void quantize_group(const float* g, int n, int bits, int symmetric, uint8
 
 /* Encode B * H * N rows of D channels (see the file comment). cosv, sinv [Ba, N, D / 2] (batch stride ang_sb:
    N * D / 2, or 0 when every row of the batch shares them) or NULL; shift, scl [Bf, H, D] (batch stride frame_sb:
-   H * D or 0) or NULL. Out: codes [R, D * bits / 8], scale (and, asymmetric, zero) [R, D / group] fp16 bits.
-   Returns 1 for a shape it does not take. */
+   H * D or 0) or NULL. Out: codes [B, H, N, D * bits / 8] with element strides c_s (b, h, token), scale (and,
+   asymmetric, zero) [B, H, N, D / group] fp16 bits with element strides s_s (the last dims contiguous: rows of a
+   larger storage may be written in place). Returns 1 for a shape it does not take. */
 int encode_tokens(const float* x, int B, int H, int N, int D, const float* cosv, const float* sinv, int64_t ang_sb,
                   float unscale, const float* shift, const float* scl, int64_t frame_sb, int bits, int group,
-                  int symmetric, uint8_t* codes, uint16_t* scale, uint16_t* zero) {
+                  int symmetric, uint8_t* codes, int64_t c_sb, int64_t c_sh, int64_t c_st, uint16_t* scale,
+                  uint16_t* zero, int64_t s_sb, int64_t s_sh, int64_t s_st) {
     if (D <= 0 || D > 1024 || D % 2 || group <= 0 || D % group || (bits != 2 && bits != 4 && bits != 8))
         return 1;
     const int per = 8 / bits, bytes = D / per, G = D / group, half_d = D / 2;
@@ -84,6 +86,7 @@ int encode_tokens(const float* x, int B, int H, int N, int D, const float* cosv,
         for (int h = 0; h < H; h++)
             for (int t = 0; t < N; t++) {
                 const int64_t r = ((int64_t)b * H + h) * N + t;
+                const int64_t so = b * s_sb + h * s_sh + t * s_st;
                 const float* xr = x + r * D;
                 if (cosv) {
                     const float* c = cosv + b * ang_sb + (int64_t)t * half_d;
@@ -104,9 +107,9 @@ int encode_tokens(const float* x, int B, int H, int N, int D, const float* cosv,
                     for (int d = 0; d < D; d++) row[d] = (row[d] - sh[d]) / sc[d];
                 }
                 for (int g = 0; g < G; g++)
-                    quantize_group(row + g * group, group, bits, symmetric, q + g * group, scale + r * G + g,
-                                   symmetric ? 0 : zero + r * G + g);
-                uint8_t* out = codes + r * bytes;
+                    quantize_group(row + g * group, group, bits, symmetric, q + g * group, scale + so + g,
+                                   symmetric ? 0 : zero + so + g);
+                uint8_t* out = codes + b * c_sb + h * c_sh + t * c_st;
                 for (int j = 0; j < bytes; j++) {
                     unsigned v = 0;
                     for (int l = 0; l < per; l++) v |= (unsigned)q[j * per + l] << (bits * l);

@@ -39,13 +39,14 @@ def _compile() -> ctypes.CDLL:
     lib = compile_library(SOURCE, FLAGS)
     p, i, i64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
     lib.encode_tokens.restype = i
-    lib.encode_tokens.argtypes = [p, i, i, i, i, p, p, i64, ctypes.c_float, p, p, i64, i, i, i, p, p, p]
+    lib.encode_tokens.argtypes = [p, i, i, i, i, p, p, i64, ctypes.c_float, p, p, i64, i, i, i, p, i64, i64, i64, p, p,
+                                  i64, i64, i64]
     return lib
 
 
 def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tuple[torch.Tensor, torch.Tensor] | None
-           = None, unscale: float = 1.0, frame: tuple[torch.Tensor, torch.Tensor] | None = None
-           ) -> QuantizedTensor | None:
+           = None, unscale: float = 1.0, frame: tuple[torch.Tensor, torch.Tensor] | None = None,
+           out: QuantizedTensor | None = None) -> QuantizedTensor | None:
     """Integer codes of `x [B, H, N, D]` per token in groups of `group` channels, or None where the encoder does not
     serve (see the module docstring).
 
@@ -55,9 +56,12 @@ def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tupl
         angles: (cos, sin) `[B or 1, N, D / 2]` float32 of each token's RoPE angles: the rotation is undone first,
             then the result divided by `unscale` (the RoPE's attention scaling).
         frame: (shift, scale) `[B or 1, H, 1, D]` float32: channels normalized as `(x - shift) / scale` next.
+        out: where to write the codes (rows of a larger storage, `quant.rows.RowBuffer.spare`): used when its
+            tensors have the shapes, dtypes and contiguous last dims of these codes (else new tensors are made).
 
     Returns:
-        The `QuantizedTensor` `quantize(x', "int", bits, group, symmetric)` gives for the transformed `x'`.
+        The `QuantizedTensor` `quantize(x', "int", bits, group, symmetric)` gives for the transformed `x'` (`out`
+        itself when the codes were written there).
     """
     b, h, n, d = x.shape
     if x.device.type != "cpu" or bits not in BITS or d % group or d > 1024 or d % 2:
@@ -80,16 +84,33 @@ def encode(x: torch.Tensor, bits: int, group: int, symmetric: bool, angles: tupl
         if rows not in (1, b):
             return None
         frame_sb = h * d if rows > 1 else 0
-    codes = torch.empty(b, h, n, d * bits // 8, dtype=torch.uint8)
-    scales = torch.empty(b, h, n, d // group, dtype=torch.float16)
-    zeros = None if symmetric else torch.empty_like(scales)
+    if out is not None and _takes(out, b, h, n, d, bits, group, symmetric):
+        codes, scales, zeros = out.codes, out.scale, out.zero
+    else:
+        out = None
+        codes = torch.empty(b, h, n, d * bits // 8, dtype=torch.uint8)
+        scales = torch.empty(b, h, n, d // group, dtype=torch.float16)
+        zeros = None if symmetric else torch.empty_like(scales)
     rc = lib.encode_tokens(
         x.data_ptr(), b, h, n, d, _ptr(cos), _ptr(sin), ang_sb, unscale, _ptr(shift), _ptr(scale), frame_sb, bits,
-        group, int(symmetric), codes.data_ptr(), scales.data_ptr(), _ptr(zeros),
+        group, int(symmetric), codes.data_ptr(), *codes.stride()[:3], scales.data_ptr(), _ptr(zeros),
+        *scales.stride()[:3],
     )
     if rc:
         return None
-    return QuantizedTensor(codes, scales, zeros, "int", bits, group, d)
+    return out if out is not None else QuantizedTensor(codes, scales, zeros, "int", bits, group, d)
+
+
+def _takes(out: QuantizedTensor, b: int, h: int, n: int, d: int, bits: int, group: int, symmetric: bool) -> bool:
+    """Whether `out` can hold the codes of `[b, h, n, d]` in this format: its shapes and dtypes, contiguous last dims,
+    and the zeros' strides the scales' (the encoder writes both with one set of strides)."""
+    codes, scales, zeros = out.codes, out.scale, out.zero
+    return (out.fmt == "int" and out.bits == bits and out.group_size == group and out.n == d
+            and (zeros is None) == symmetric and codes.dtype == torch.uint8 and scales.dtype == torch.float16
+            and codes.shape == (b, h, n, d * bits // 8) and scales.shape == (b, h, n, d // group)
+            and codes.stride(-1) == 1 and scales.stride(-1) == 1
+            and (zeros is None or (zeros.dtype == torch.float16 and zeros.shape == scales.shape
+                                   and zeros.stride() == scales.stride())))
 
 
 __all__ = ["encode", "library"]

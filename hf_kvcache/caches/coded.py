@@ -105,14 +105,23 @@ class CodedLayer(CompressedLayer):
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         codec, n = self.key_codec, key_states.shape[2]
         if codec is None:
-            self.key_codes = self.key_buffer.append(self.key_codes, self.format.quantize(key_states))
+            self.key_codes = self.key_buffer.append(self.key_codes, self._coded(key_states, self.key_buffer,
+                                                                                self.key_codes))
         elif codec.per_row:
             self._append_row_fitted(key_states)
         else:
             held, new = codec.encode(key_states, self.cumulative_length - n, self.key_codes)
             self.key_codes = self.key_buffer.append(held, new)
-        self.value_codes = self.value_buffer.append(self.value_codes, self.format.quantize(value_states))
+        self.value_codes = self.value_buffer.append(self.value_codes, self._coded(value_states, self.value_buffer,
+                                                                                  self.value_codes))
         self._keep_window()
+
+    def _coded(self, x: torch.Tensor, buffer: RowBuffer, held: TokenRows | None) -> TokenRows:
+        """The codes of `x` in the format, written into `buffer`'s spare rows behind `held` where the format and the
+        buffer take them (`TokenFormat.quantize_into`, `RowBuffer.spare`)."""
+        into = getattr(self.format, "quantize_into", None)
+        out = None if into is None else buffer.spare(held, x.shape[2])
+        return self.format.quantize(x) if out is None else into(x, out)
 
     def _append_row_fitted(self, keys: torch.Tensor) -> None:
         """Pre-RoPE keys with statistics per row (module docstring): each row is fitted from its own real keys once
@@ -123,7 +132,8 @@ class CodedLayer(CompressedLayer):
         pending, self.pending_keys = self.pending_keys, None
         if pending is None and codec.fitted:  # every row fitted
             positions, _ = self._positions(seen - n, n, b)
-            self.key_codes = self.key_buffer.append(self.key_codes, codec.encode_keys(keys, positions))
+            out = self.key_buffer.spare(self.key_codes, n)
+            self.key_codes = self.key_buffer.append(self.key_codes, codec.encode_keys(keys, positions, out=out))
             return
         keys = keys.clone() if pending is None else torch.cat([pending, keys], 2)  # never a view of the input
         held = keys.shape[2]

@@ -103,17 +103,22 @@ class UniformQuantOptions(CacheOptions):
     def quantize(self, x: torch.Tensor) -> QuantizedTensor:
         """`x [..., d]` in this format, scales per token over groups of channels (integer formats of `[b, h, n, d]`
         on the CPU: the native encoder, the same bits in one call), rotated first with `rotation`."""
+        return self.quantize_into(x, None)
+
+    def quantize_into(self, x: torch.Tensor, out: QuantizedTensor | None) -> QuantizedTensor:
+        """`quantize(x)`, written by the native encoder into `out` (rows of a larger storage) where it takes them."""
         r = self.rotation_of(x.shape[-1], x.device)
         if r is not None:
             x = r.rotate(x)
-        coded = self.native_codes(x)
+        coded = self.native_codes(x, out=out)
         if coded is not None:
             return coded
         return quantize(x, self.fmt, self.bits, self.resolved_group(x.shape[-1]), self.resolved_symmetric())
 
     def native_codes(self, x: torch.Tensor, **transform: Any) -> QuantizedTensor | None:
-        """This format's codes of `x [b, h, n, d]` from the native encoder (`transform`: its `angles`, `unscale`
-        and `frame`, applied first), or None where it does not serve (fp8, other ranks, off the CPU, no compiler)."""
+        """This format's codes of `x [b, h, n, d]` from the native encoder (`transform`: its `angles`, `unscale`,
+        `frame`, applied first, and `out`), or None where it does not serve (fp8, other ranks, off the CPU, no
+        compiler)."""
         if self.fmt != "int" or x.dim() != 4:
             return None
         return native_encode.encode(x, self.bits, self.resolved_group(x.shape[-1]), self.resolved_symmetric(),
@@ -146,13 +151,15 @@ class UniformPreRopeKeys(PreRopeKeys):
     def decode_codes(self, q: QuantizedTensor) -> torch.Tensor:
         return self.options.dequantize(q, torch.float32)
 
-    def encode_keys(self, keys: torch.Tensor, positions: torch.Tensor) -> QuantizedTensor:
+    def encode_keys(self, keys: torch.Tensor, positions: torch.Tensor, out: QuantizedTensor | None = None
+                    ) -> QuantizedTensor:
         """`quantize_pre(derotate(keys, positions))` of a fitted codec (post-RoPE `keys [b, h, n, d]`, `positions`
-        `[n]` or `[b, 1, n]`): on the CPU in one native call (the same bits), else through those two."""
+        `[n]` or `[b, 1, n]`): on the CPU in one native call (the same bits; written into `out` where it takes
+        them), else through those two."""
         if self.fitted and self.options.fmt == "int" and self.options.rotation == "none":  # where the encoder serves
             angles = self.rope.cos_sin_shared(positions)
             coded = self.options.native_codes(keys, angles=angles, unscale=self.rope.scaling,
-                                              frame=(self.shift, self.scale))
+                                              frame=(self.shift, self.scale), out=out)
             if coded is not None:
                 return coded
         return self.quantize_pre(self.derotate(keys, positions))

@@ -137,13 +137,26 @@ class RowBuffer:
                 return False
         return True
 
+    def spare(self, held: TokenRows | None, tokens: int) -> TokenRows | None:
+        """Views of the spare rows the next `append` of `tokens` rows to `held` writes into, where it writes in place
+        (`held` the rows it returned last, room behind them, writable here); None otherwise. An encoder may write its
+        codes there (`TokenFormat.quantize_into`): `append` then copies nothing."""
+        b = self.backing
+        if (held is None or held is not self.view or held.tokens + tokens > b.tokens
+                or not (torch.is_inference_mode_enabled() or not b.codes.is_inference())):
+            return None
+        return dataclasses.replace(b, **{f: getattr(b, f).narrow(-2, held.tokens, tokens) for f in b.row_fields()})
+
     def _write(self, b: TokenRows, n: int, new: TokenRows) -> TokenRows:
-        """`new`'s rows written into rows n.. of `b`; the first rows up to them as views (kept as `view`)."""
+        """`new`'s rows written into rows n.. of `b` (nothing to copy where they are already there: `spare`); the
+        first rows up to them as views (kept as `view`)."""
         m = new.tokens
         views = {}
         for f in b.row_fields():
-            t = getattr(b, f)
-            t.narrow(-2, n, m).copy_(getattr(new, f))
+            t, x = getattr(b, f), getattr(new, f)
+            rows = t.narrow(-2, n, m)
+            if rows.data_ptr() != x.data_ptr() or rows.stride() != x.stride():
+                rows.copy_(x)
             views[f] = t.narrow(-2, 0, n + m)
         self.view = dataclasses.replace(b, **views)
         return self.view
@@ -166,3 +179,7 @@ class TokenFormat(Protocol):
     def tensors(self, n: int, device: torch.device) -> list[torch.Tensor]:
         """Optional: what the format holds besides the codes to read a last dim of `n` (a rotation's tensors), for
         the bytes a layer counts (a format without this method holds nothing else)."""
+
+    def quantize_into(self, x: torch.Tensor, out: TokenRows) -> TokenRows:
+        """Optional: `quantize(x)`, written into `out` (`RowBuffer.spare`: rows of a larger storage) and `out`
+        returned where the format can, else new tensors (a format without this method always makes new ones)."""

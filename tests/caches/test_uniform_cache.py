@@ -381,3 +381,34 @@ def test_codes_appended_into_spare_rows_hold_what_cat_holds(dtype):
     step(2, 200)
     step(1, 201)
     same()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "int4"])
+def test_the_encoder_writes_a_decode_step_into_the_spare_rows(dtype):
+    """`RowBuffer.spare` hands the native encoder the spare rows behind the held codes: it writes the new token's codes
+    there (the same codes it makes alone) and the append copies nothing; rows that are not the ones it returned last
+    get none."""
+    from hf_kvcache.kernels import native_encode
+
+    if native_encode.library() is None:
+        pytest.skip("no native encoder here")
+    cache = UniformQuantCache(config=tiny_config(), dtype=dtype)
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        fill(cache, chunks=(17, 1, 150))
+        for i in range(LAYERS):  # a decode step: room behind the rows (a prompt's chunks are held exactly)
+            cache.update(torch.randn(B, H, 1, D, generator=g), torch.randn(B, H, 1, D, generator=g), i)
+        layer = cache.layers[1]
+        n = layer.value_codes.tokens
+        spare = layer.value_buffer.spare(layer.value_codes, 1)
+        backing = layer.value_buffer.backing
+        assert spare is not None and spare.codes.data_ptr() == backing.codes[:, :, n:].data_ptr()
+        x = torch.randn(B, H, 1, D, generator=g)
+        coded = layer.format.quantize_into(x, spare)
+        alone = layer.format.quantize(x)
+        assert coded is spare and all(torch.equal(a, b) for a, b in zip(coded.tensors(), alone.tensors()))
+        held = layer.value_buffer.append(layer.value_codes, coded)
+        assert held.tokens == n + 1 and held.codes.data_ptr() == backing.codes.data_ptr()
+        assert all(torch.equal(a[:, :, n:], b) for a, b in zip(held.tensors(), alone.tensors()))
+        assert layer.value_buffer.spare(held.clone(), 1) is None  # a copy: not the rows it returned
+        assert layer.value_buffer.spare(held, backing.tokens) is None  # no room for them
