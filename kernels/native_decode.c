@@ -557,7 +557,7 @@ static void normalize_rows(int64_t rows, int D, const float* sum, float* acc) {
    chunks + 1 slots per row then). normalize: acc_out holds the normalized output acc / max(sum, 1e-30) instead
    (a decode step's answer; 0 for a row with no key). Returns 1 for an unsupported shape. */
 struct token_args {
-    const float* q; int M, D, T, G, J;
+    const float* q; int M, D, T;
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const half *ks, *kz; int64_t ks_sb, ks_sh, ks_st;
     float koff;
     const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const half *vs, *vz; int64_t vs_sb, vs_sh, vs_st;
@@ -593,10 +593,9 @@ int token_partial(const float* q, int B, int H, int M, int D, int T,
                   float* work, float* cmx, float* csum, float* cacc, float* mx_out, float* sum_out, float* acc_out) {
     if (!token_supports(M, D, kbits, vbits, kgroup, vgroup) || chunks < 1 || nd < 0 || nd > MAXDENSE) return 1;
     if ((klut && kbits != 8) || (vlut && vbits != 8)) return 1;
-    const struct token_args a = {q, M, D, T, D / kgroup, D / vgroup, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz,
-                                 ks_sb, ks_sh, ks_st, koff, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, vs_sb,
-                                 vs_sh, vs_st, voff, cshift, cscale, cs_sb, rc, rs, r_sb, r_st, rc0, rs0, valid, klut,
-                                 vlut};
+    const struct token_args a = {q, M, D, T, kc, kc_sb, kc_sh, kc_st, kbits, kgroup, ks, kz, ks_sb, ks_sh, ks_st,
+                                 koff, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, vs_sb, vs_sh, vs_st, voff,
+                                 cshift, cscale, cs_sb, rc, rs, r_sb, r_st, rc0, rs0, valid, klut, vlut};
     const int per = ((T + chunks - 1) / chunks + 15) / 16 * 16;  /* tokens per chunk */
     const int slots = chunks + (nd > 0);  /* the full-precision tokens: one more partial per row */
     run_tasks(B * H, H, M, D, T, per, chunks, slots, threads, token_task, &a, work, cmx, csum, cacc);

@@ -125,7 +125,7 @@ class RowBuffer:
     def _fits(b: TokenRows | None, new: TokenRows, tokens: int) -> bool:
         """Whether the backing `b` takes `new`'s rows up to `tokens` rows in all: room for them, writable here (not
         an inference tensor outside inference mode), the same fields, leading dims, row widths and shared state."""
-        if b is None or tokens > b.tokens or not (torch.is_inference_mode_enabled() or not b.codes.is_inference()):
+        if b is None or tokens > b.tokens or not RowBuffer._writable(b):
             return False
         fields = b.row_fields()
         if (type(new) is not type(b) or new.row_fields().keys() != fields.keys()
@@ -142,10 +142,14 @@ class RowBuffer:
         (`held` the rows it returned last, room behind them, writable here); None otherwise. An encoder may write its
         codes there (`TokenFormat.quantize_into`): `append` then copies nothing."""
         b = self.backing
-        if (held is None or held is not self.view or held.tokens + tokens > b.tokens
-                or not (torch.is_inference_mode_enabled() or not b.codes.is_inference())):
+        if held is None or held is not self.view or held.tokens + tokens > b.tokens or not self._writable(b):
             return None
         return dataclasses.replace(b, **{f: getattr(b, f).narrow(-2, held.tokens, tokens) for f in b.row_fields()})
+
+    @staticmethod
+    def _writable(b: TokenRows) -> bool:
+        """Whether the backing's storage can be written here (not an inference tensor outside inference mode)."""
+        return torch.is_inference_mode_enabled() or not b.codes.is_inference()
 
     def _write(self, b: TokenRows, n: int, new: TokenRows) -> TokenRows:
         """`new`'s rows written into rows n.. of `b` (nothing to copy where they are already there: `spare`); the
