@@ -87,8 +87,9 @@ static inline void rebuild_keys4_avx(float z[4][MAXDIM], const float *w, const f
         }
         for (int j = 0; j < rank; j++) {
             const float *wj = w + (long)j * dim + c0;
-            const __m512 w0 = _mm512_loadu_ps(wj), w1 = _mm512_loadu_ps(wj + 16), w2 = _mm512_loadu_ps(wj + 32),
-                         w3 = _mm512_loadu_ps(wj + 48);
+            __m512 w0 = _mm512_loadu_ps(wj), w1 = _mm512_loadu_ps(wj + 16), w2 = _mm512_loadu_ps(wj + 32),
+                   w3 = _mm512_loadu_ps(wj + 48);
+            __asm__("" : "+v"(w0), "+v"(w1), "+v"(w2), "+v"(w3));
             for (int u = 0; u < 4; u++) {
                 const __m512 c = _mm512_set1_ps(z[u][j]);
                 a[u][0] = _mm512_fmadd_ps(c, w0, a[u][0]), a[u][1] = _mm512_fmadd_ps(c, w1, a[u][1]);
