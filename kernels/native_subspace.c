@@ -76,7 +76,8 @@ static inline void rebuild_keys4(float z[4][MAXDIM], const float *w, const float
 
 #ifdef FAST_KEYS
 /* rebuild_keys4 for a head dim that is a multiple of 64: per 64-channel block sixteen accumulators (four keys x four
- * vectors) stay in registers over the directions, each row of W loaded once for the four keys; RoPE after. */
+ * vectors) stay in registers over the directions, each row of W loaded once for the four keys (the empty asm keeps
+ * the four loads in registers: folded into the multiply-adds, the compiler loaded each row four times); RoPE after. */
 static inline void rebuild_keys4_avx(float z[4][MAXDIM], const float *w, const float *mean, const float *cos_t,
                                      const float *sin_t, int rank, const int dim, float key[4][MAXDIM]) {
     for (int c0 = 0; c0 < dim; c0 += 64) {
