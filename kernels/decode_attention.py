@@ -28,7 +28,7 @@ import torch
 from . import native, native_step, native_subspace
 from .blockwise import combine, dense_partial, finish, rows_mask, scratch
 from .from_codes import quant_mass_codes, quant_partial_codes
-from .from_subspace import subspace_mass, subspace_partial
+from .from_subspace import in_model_basis, subspace_mass, subspace_partial
 from .segments import (FullSegment, QuantSegment, Segment, SubspaceSegment, TokenSegment, dense_segments,
                        split_overlays)
 from hf_kvcache.quant.rotation import Rotation, rotate, unrotate
@@ -331,10 +331,10 @@ def _segments_step_native(q, segments: list[Segment], overlays: list[FullSegment
                 seg.check()
                 quant.append((_in_key_basis(q, seg, rotated), seg, valid))
             elif start == 0:  # a subspace archive comes first: its partial merges into the step's call
-                coeffs = native_subspace.coefficient_partial(q, seg, valid)
+                coeffs = native_subspace.step_partial(q, seg, valid)
                 if coeffs is None:
                     return None
-                extra = subspace_partial(q, seg, None, coefficients=coeffs)
+                extra = (coeffs[0], coeffs[1], in_model_basis(seg.values, coeffs[2], coeffs[1]))
             else:
                 return None
         elif isinstance(seg, FullSegment) and _overlaid_columns(overlays, start, stop, q.device) is None:

@@ -125,11 +125,15 @@ def _bytes_strides(codes: torch.Tensor) -> torch.Tensor:
     return codes if codes.stride(-1) == 1 else codes.contiguous()
 
 
-def kivi_operands(seg: QuantSegment) -> tuple[torch.Tensor, ...]:
+def kivi_operands(seg: QuantSegment, half_scales: bool = False) -> tuple[torch.Tensor, ...]:
     """A KIVI-layout segment as the kernel reads it: key and value codes as row-contiguous bytes, then the key scale
-    and zero and the value scale and zero in float32, contiguous."""
+    and zero and the value scale and zero, contiguous: float32, or (`half_scales`, where all four are fp16) as the
+    fp16 they are stored in (the decode step's call reads those)."""
     kc, vc = _bytes_strides(seg.k_codes), _bytes_strides(seg.v_codes)
-    return (kc, vc, *(as_float32(x) for x in (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero)))
+    scales = (seg.k_scale, seg.k_zero, seg.v_scale, seg.v_zero)
+    if half_scales and all(x.dtype == torch.float16 for x in scales):
+        return (kc, vc, *(x.contiguous() for x in scales))
+    return (kc, vc, *(as_float32(x) for x in scales))
 
 
 def quant_partial_native(q: torch.Tensor, seg: QuantSegment, key_valid: torch.Tensor | None,

@@ -77,10 +77,18 @@ INLINE void tile_scores(const float* q, int M, const int D, const float* t, cons
     for (int m = 0; m < M; m++) memcpy(s + (int64_t)m * n + t0, out + m * TG, nt * sizeof(float));
 }
 
-/* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of codes kc (row stride kc_st bytes), group scales and
-   zeros ks, kz [groups, D]. TG (a divisor of kgroup) tokens per tile. */
+/* A KIVI segment's scales and zeros from a chunk's first token on: keys ks, kz [groups, D], values vs, vz [n, J],
+   float32, or, where ksh / vsh are set, the codes' fp16 in the same layouts (read as float32 where they are used:
+   the same numbers as a float32 copy). */
+struct kivi_scales {
+    const float *ks, *kz, *vs, *vz;
+    const half *ksh, *kzh, *vsh, *vzh;
+};
+
+/* Scores s[m * n + t] of rows q[M, D] over tokens [0, n) of codes kc (row stride kc_st bytes), the key group scales
+   and zeros of sc. TG (a divisor of kgroup) tokens per tile. */
 INLINE void scores(const float* q, int M, const int D, const uint8_t* kc, int64_t kc_st, int kbits, int kgroup,
-                   const float* ks, const float* kz, int n, float* s, const int TG) {
+                   const struct kivi_scales* sc, int n, float* s, const int TG) {
     const int kper = 8 / kbits, words = D / kper / 4, mask = (1 << kbits) - 1;
     float qs[MAXM * MAXD], bias[MAXM];
     float cbt[MAXD * MAXTG] __attribute__((aligned(64)));  /* cbt[d * TG + tt]: code of channel d, token tt */
@@ -88,11 +96,16 @@ INLINE void scores(const float* q, int M, const int D, const uint8_t* kc, int64_
     for (int g0 = 0; g0 < n; g0 += kgroup) {
         const int64_t g = g0 / kgroup;
         const int g1 = g0 + kgroup < n ? g0 + kgroup : n;
+        float ks[MAXD], kz[MAXD];  /* the group's scales and zeros as float32 */
+        if (sc->ksh)
+            for (int d = 0; d < D; d++) ks[d] = (float)sc->ksh[g * D + d], kz[d] = (float)sc->kzh[g * D + d];
+        else
+            memcpy(ks, sc->ks + g * D, sizeof(float) * D), memcpy(kz, sc->kz + g * D, sizeof(float) * D);
         for (int m = 0; m < M; m++) {  /* the row times the group's scales, and times its zeros */
             float b = 0.f;
             for (int d = 0; d < D; d++) {
-                b += q[m * D + d] * kz[g * D + d];
-                qs[m * D + d] = q[m * D + d] * ks[g * D + d];
+                b += q[m * D + d] * kz[d];
+                qs[m * D + d] = q[m * D + d] * ks[d];
             }
             bias[m] = b;
         }
@@ -218,25 +231,25 @@ INLINE void scores_to_partial(float* s, int M, const int D, int n, const uint8_t
 
 /* One task: the partial of rows q[M, D] over n tokens (pointers already at the chunk's first token). */
 INLINE void chunk_partial(const float* q, int M, const int D, int n, const uint8_t* kc, int64_t kc_st, int kbits,
-                          int kgroup, const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st,
-                          int vbits, int vgroup, const float* vs, const float* vz, const uint8_t* valid,
+                          int kgroup, const struct kivi_scales* sc, const uint8_t* vc, int64_t vc_st,
+                          int vbits, int vgroup, const uint8_t* valid,
                           float* s, float* mx, float* sum, float* acc, const int TG) {
-    scores(q, M, D, kc, kc_st, kbits, kgroup, ks, kz, n, s, TG);
-    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, vs, vz, 0, 0, 0, 0.f, 0, mx, sum, acc);
+    scores(q, M, D, kc, kc_st, kbits, kgroup, sc, n, s, TG);
+    scores_to_partial(s, M, D, n, valid, vc, vc_st, vbits, vgroup, sc->vs, sc->vz, sc->vsh, sc->vzh, D / vgroup, 0.f,
+                      0, mx, sum, acc);
 }
 
 #define VARIANT(DD, TT)                                                                                          \
     if (D == DD && TG == TT) {                                                                                   \
-        chunk_partial(q, M, DD, n, kc, kc_st, kbits, kgroup, ks, kz, vc, vc_st, vbits, vgroup, vs, vz, valid, s, \
+        chunk_partial(q, M, DD, n, kc, kc_st, kbits, kgroup, sc, vc, vc_st, vbits, vgroup, valid, s,         \
                       mx, sum, acc, TT);                                                                         \
         return;                                                                                                  \
     }
 #define TILES(DD) VARIANT(DD, 64) VARIANT(DD, 32) VARIANT(DD, 16)
 
 static void dispatch(const float* q, int M, int D, int n, const uint8_t* kc, int64_t kc_st, int kbits, int kgroup,
-                     const float* ks, const float* kz, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
-                     const float* vs, const float* vz, const uint8_t* valid, float* s, float* mx, float* sum,
-                     float* acc, int TG) {
+                     const struct kivi_scales* sc, const uint8_t* vc, int64_t vc_st, int vbits, int vgroup,
+                     const uint8_t* valid, float* s, float* mx, float* sum, float* acc, int TG) {
     TILES(64) TILES(128) TILES(256)
 }
 
@@ -304,7 +317,8 @@ static void run_tasks(int64_t rows, int H, int M, int D, int T, int per, int chu
 
 /* The softmax partial over one segment for every (b, h): mx_out, sum_out [B, H, M], acc_out [B, H, M, D].
    q [B, H, M, D] float32 contiguous; kc, vc uint8 with element strides (b, h, token) and contiguous bytes;
-   ks, kz [B, H, T / kgroup, D] and vs, vz [B, H, T, D / vgroup] float32 contiguous; valid [B, T] uint8 or NULL.
+   ks, kz [B, H, T / kgroup, D] and vs, vz [B, H, T, D / vgroup] float32 contiguous (or, where ksh / vsh are set,
+   ksh, kzh, vsh, vzh: the same in fp16); valid [B, T] uint8 or NULL.
    The token range splits into `chunks` chunks (whole key groups); work holds B H M T floats, cmx and csum
    B H chunks M, cacc B H chunks M D. Returns 1 (and computes nothing) for an unsupported shape. */
 struct quant_args {
@@ -312,17 +326,20 @@ struct quant_args {
     const uint8_t* kc; int64_t kc_sb, kc_sh, kc_st; int kbits, kgroup; const float *ks, *kz;
     const uint8_t* vc; int64_t vc_sb, vc_sh, vc_st; int vbits, vgroup; const float *vs, *vz;
     const uint8_t* valid;
+    const half *ksh, *kzh, *vsh, *vzh;
 };
 
 static void quant_task(const void* p, int64_t b, int64_t h, int64_t bh, int t0, int n, float* s, float* mx,
                        float* sum, float* acc) {
     const struct quant_args* a = p;
     const int M = a->M, D = a->D, T = a->T, G = a->G, J = a->J, kgroup = a->kgroup;
+    const int64_t ko = (bh * G + t0 / kgroup) * D, vo = (bh * T + t0) * J;
+    const struct kivi_scales sc = {a->ks ? a->ks + ko : 0, a->kz ? a->kz + ko : 0, a->vs ? a->vs + vo : 0,
+                                   a->vz ? a->vz + vo : 0, a->ksh ? a->ksh + ko : 0, a->kzh ? a->kzh + ko : 0,
+                                   a->vsh ? a->vsh + vo : 0, a->vzh ? a->vzh + vo : 0};
     dispatch(a->q + bh * M * D, M, D, n, a->kc + b * a->kc_sb + h * a->kc_sh + t0 * a->kc_st, a->kc_st, a->kbits,
-             kgroup, a->ks + (bh * G + t0 / kgroup) * D, a->kz + (bh * G + t0 / kgroup) * D,
-             a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
-             a->vs + (bh * T + t0) * J, a->vz + (bh * T + t0) * J, a->valid ? a->valid + b * T + t0 : 0, s, mx, sum,
-             acc, a->TG);
+             kgroup, &sc, a->vc + b * a->vc_sb + h * a->vc_sh + t0 * a->vc_st, a->vc_st, a->vbits, a->vgroup,
+             a->valid ? a->valid + b * T + t0 : 0, s, mx, sum, acc, a->TG);
 }
 
 int quant_partial(const float* q, int B, int H, int M, int D, int T,
@@ -334,7 +351,7 @@ int quant_partial(const float* q, int B, int H, int M, int D, int T,
     if (!native_supports(M, D, kbits, vbits, kgroup, vgroup) || T % kgroup || chunks < 1) return 1;
     const int G = T / kgroup;
     const struct quant_args a = {q, M, D, T, G, D / vgroup, tile_for(kgroup), kc, kc_sb, kc_sh, kc_st, kbits, kgroup,
-                                 ks, kz, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, valid};
+                                 ks, kz, vc, vc_sb, vc_sh, vc_st, vbits, vgroup, vs, vz, valid, 0, 0, 0, 0};
     run_tasks(B * H, H, M, D, T, (G + chunks - 1) / chunks * kgroup, chunks, chunks, threads, quant_task, &a, work,
               cmx, csum, cacc);
     merge_chunks(B * H, M, D, chunks, cmx, csum, cacc, mx_out, sum_out, acc_out);
@@ -626,6 +643,7 @@ struct step_segment {
     const uint8_t* valid;  /* [B, T] or NULL */
     const float* vrot;     /* [H or 1, D, D] or NULL */
     int64_t vrot_sh;       /* head stride of vrot: D D, or 0 when shared */
+    const half *ksh, *kzh, *vsh, *vzh;  /* the scales and zeros in fp16 (then ks .. vz NULL), or NULL */
 };
 
 /* Merge `n` partials (slot stride `stride`, from slot 0) of one row of M queries into slot 0 (max, sum, output). */
@@ -662,7 +680,8 @@ int segments_step(const struct step_segment* segs, int nseg, int B, int H, int M
         const int G = g->T / g->kgroup;
         const struct quant_args a = {g->q, M, D, g->T, G, D / g->vgroup, tile_for(g->kgroup), g->kc, g->kc_sb,
                                      g->kc_sh, g->kc_st, g->kbits, g->kgroup, g->ks, g->kz, g->vc, g->vc_sb,
-                                     g->vc_sh, g->vc_st, g->vbits, g->vgroup, g->vs, g->vz, g->valid};
+                                     g->vc_sh, g->vc_st, g->vbits, g->vgroup, g->vs, g->vz, g->valid, g->ksh,
+                                     g->kzh, g->vsh, g->vzh};
         run_tasks((int64_t)B * H, H, M, D, g->T, (G + chunks - 1) / chunks * g->kgroup, chunks, slots, threads,
                   quant_task, &a, work, cmx + (int64_t)s * chunks * M, csum + (int64_t)s * chunks * M,
                   cacc + (int64_t)s * chunks * M * D);

@@ -28,7 +28,7 @@ class StepSegment(ctypes.Structure):
     _fields_ = [("q", _p), ("T", _i), ("kbits", _i), ("kgroup", _i), ("vbits", _i), ("vgroup", _i),
                 ("kc", _p), ("kc_sb", _i64), ("kc_sh", _i64), ("kc_st", _i64), ("ks", _p), ("kz", _p),
                 ("vc", _p), ("vc_sb", _i64), ("vc_sh", _i64), ("vc_st", _i64), ("vs", _p), ("vz", _p),
-                ("valid", _p), ("vrot", _p), ("vrot_sh", _i64)]
+                ("valid", _p), ("vrot", _p), ("vrot_sh", _i64), ("ksh", _p), ("kzh", _p), ("vsh", _p), ("vzh", _p)]
 
 
 _DENSE_HADAMARD: dict[tuple, torch.Tensor] = {}
@@ -73,7 +73,8 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
     segment's key rotation, `key_valid [B, T]` bool or None) followed by the full-precision keys and values `dense`
     (`[B, H, n, D]` float32 contiguous) or None, of which a row sees those `dense_valid [B, n]` (bool; None: all),
     and `extra`, a softmax partial over other keys computed before (row max, row sum `[B, H, M]`, unnormalized output
-    `[B, H, M, D]` in the model's basis: a subspace archive's), or None.
+    `[B, H, M, D]` in the model's basis: a subspace archive's, `native_subspace.step_partial`), its row max finite as
+    the C kernels write it (`native.NEG` where a row sees no key: -ffast-math has no infinities), or None.
     None where the kernel is unavailable or has no variant (the caller then takes the general path)."""
     fn = _function()
     if fn is None or not (quant or extra):
@@ -85,15 +86,18 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
         rot = value_rotation_matrix(seg.v_rotation, d)
         if rot is None or not native.supports(q_seg, seg):
             return None
-        kc, vc, ks, kz, vs, vz = native.kivi_operands(seg)
+        kc, vc, ks, kz, vs, vz = native.kivi_operands(seg, half_scales=True)
         qs = native.as_float32(q_seg)
         valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
         keep += [qs, kc, vc, ks, kz, vs, vz] + [t for t in (valid, rot[0]) if t is not None]
+        half = ks.dtype == torch.float16  # `kivi_operands` gives all four in fp16 or all in float32
         desc.q, desc.T, desc.kbits, desc.kgroup = qs.data_ptr(), seg.tokens, seg.k_bits, seg.k_group
         desc.vbits, desc.vgroup = seg.v_bits, seg.v_group
         desc.kc, (desc.kc_sb, desc.kc_sh, desc.kc_st) = kc.data_ptr(), kc.stride()[:3]
         desc.vc, (desc.vc_sb, desc.vc_sh, desc.vc_st) = vc.data_ptr(), vc.stride()[:3]
-        desc.ks, desc.kz, desc.vs, desc.vz = ks.data_ptr(), kz.data_ptr(), vs.data_ptr(), vz.data_ptr()
+        scales = (ks.data_ptr(), kz.data_ptr(), vs.data_ptr(), vz.data_ptr())
+        desc.ks, desc.kz, desc.vs, desc.vz = (None,) * 4 if half else scales
+        desc.ksh, desc.kzh, desc.vsh, desc.vzh = scales if half else (None,) * 4
         desc.valid = None if valid is None else valid.data_ptr()
         desc.vrot, desc.vrot_sh = (None if rot[0] is None else rot[0].data_ptr()), rot[1]
     dk, dv = dense if dense is not None else (None, None)
@@ -109,9 +113,8 @@ def step(q: torch.Tensor, quant: list[tuple[torch.Tensor, QuantSegment, torch.Te
     qf = native.as_float32(q)
     dvalid = None if dense_valid is None else dense_valid.expand(b, nd).to(torch.uint8).contiguous()
     xmx = xsum = xacc = None
-    if extra is not None:  # the kernel's "no key" maximum is finite (-ffast-math has no infinities)
-        xmx = extra[0].float().masked_fill(torch.isinf(extra[0]), native.NEG).contiguous()
-        xsum, xacc = extra[1].float().contiguous(), extra[2].float().contiguous()
+    if extra is not None:
+        xmx, xsum, xacc = (native.as_float32(x) for x in extra)
         keep += [xmx, xsum, xacc]
     ptr = lambda x: None if x is None else x.data_ptr()  # noqa: E731
     rc = fn(descs, len(quant), b, h, m, d, qf.data_ptr(), ptr(dk), ptr(dv), nd, ptr(dvalid), chunks, threads,

@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <stdint.h>
 #include <string.h>
+
+#include "fp16_bits.h"
 /* AVX-512 VBMI reads a row's codes with one byte permutation (`row_codes`); -DHF_KVCACHE_SCALAR_CODES, or a CPU
  * without it, reads them a subspace at a time (`codes_of`): the same integers either way. */
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__) && !defined(HF_KVCACHE_SCALAR_CODES)
@@ -297,10 +299,11 @@ struct sub_args {
     const float *q;                  /* [bh, rows, dim] */
     const uint8_t *kc, *vc;          /* [bh, tokens, kbytes / vbytes] */
     const int *kmeta, *vmeta;        /* 4 ints a subspace */
-    const float *kscale, *kzero;     /* [bh, tokens / kgroup, krank] (lane factors not needed: codes read exact) */
+    const half *kscale, *kzero;      /* [bh, tokens / kgroup, krank] fp16 (lane factors not needed: codes read exact) */
     const float *w, *mean;           /* [heads, krank, dim], [heads, dim] */
     const float *cos_t, *sin_t;      /* [tokens, dim / 2] or NULL */
-    const float *vscale, *vmid;      /* [bh, tokens, vsub] (times the width's step), [vsub] */
+    const half *vscale;              /* [bh, tokens, vsub] fp16 (a coefficient is (code - vmid) * scale * vstep) */
+    const float *vstep, *vmid;       /* [vsub] */
     const uint8_t *valid;            /* [batch, tokens] or NULL */
     const struct code_plan *kplan, *vplan;
     int heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup, per;
@@ -310,7 +313,7 @@ struct sub_args {
 /* One task: rows of head bh over tokens [t0, t0 + n); writes mx[rows], sum[rows], acc[rows, vrank]; s: rows x per. */
 static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, float *mx, float *sum, float *acc,
                      float *wg, const int dim) {
-    const int h = bh % a->heads, b = bh / a->heads, half = dim / 2, R = a->rows, rank = a->krank;
+    const int h = bh % a->heads, b = bh / a->heads, pairs = dim / 2, R = a->rows, rank = a->krank;
     const float *q = a->q + (long)bh * R * dim, *w = a->w + (long)h * rank * dim, *mean = a->mean + (long)h * dim;
     const uint8_t *valid = a->valid ? a->valid + (long)b * a->tokens : 0;
     float z[4][MAXDIM], key[4][MAXDIM], mg[MAXDIM], m[MAXROWS];
@@ -319,13 +322,13 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
         float *st = s + (t - t0);
         if (t == t0 || t % a->kgroup == 0) {  /* a key group: its scales into the basis (wg), its zeros into the mean */
             const long g = ((long)bh * (a->tokens / a->kgroup) + t / a->kgroup) * rank;
-            const float *ks = a->kscale + g, *kz = a->kzero + g;
+            const half *ks = a->kscale + g, *kz = a->kzero + g;
             for (int d = 0; d < dim; d++) mg[d] = mean[d];
             for (int j = 0; j < rank; j++) {
-                const float *wj = w + (long)j * dim;
+                const float *wj = w + (long)j * dim, sj = (float)ks[j], zj = (float)kz[j];
                 float *gj = wg + (long)j * dim;
 #pragma omp simd
-                for (int d = 0; d < dim; d++) gj[d] = ks[j] * wj[d], mg[d] += kz[j] * wj[d];
+                for (int d = 0; d < dim; d++) gj[d] = sj * wj[d], mg[d] += zj * wj[d];
             }
         }
         /* four tokens of one key group at once where they are there, else one */
@@ -333,7 +336,7 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
         const int u_n = four ? 4 : 1;
         for (int u = 0; u < u_n; u++)
             row_codes(a->kc + ((long)bh * a->tokens + t + u) * a->kbytes, a->kplan, a->kmeta, a->ksub, z[u]);
-        const float *ct = a->cos_t ? a->cos_t + (long)t * half : 0, *sn = a->sin_t ? a->sin_t + (long)t * half : 0;
+        const float *ct = a->cos_t ? a->cos_t + (long)t * pairs : 0, *sn = a->sin_t ? a->sin_t + (long)t * pairs : 0;
 #ifdef FAST_KEYS
         if (four && dim % 64 == 0) {
             float dots[4][MAXROWS];
@@ -381,11 +384,12 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
         sum[r] = l;
         for (int j = 0; j < a->vrank; j++) acc[(long)r * a->vrank + j] = 0.f;
     }
-    float c[MAXDIM];
+    float c[MAXDIM], vs[MAXDIM];
     for (int t = t0; t < t0 + n; t++) {
         if (valid && !valid[t]) continue;
         row_codes(a->vc + ((long)bh * a->tokens + t) * a->vbytes, a->vplan, a->vmeta, a->vsub, c);
-        const float *vs = a->vscale + ((long)bh * a->tokens + t) * a->vsub;
+        const half *vh = a->vscale + ((long)bh * a->tokens + t) * a->vsub;
+        for (int g = 0; g < a->vsub; g++) vs[g] = (float)vh[g] * a->vstep[g];  /* as torch's scale.float() * step */
         for (int g = 0; g < a->vsub; g++) {
             const int lo = a->vmeta[4 * g], hi = a->vmeta[4 * g + 1];
             const float mid = a->vmid[g];
@@ -400,16 +404,20 @@ static void sub_task(const struct sub_args *a, int bh, int t0, int n, float *s, 
     }
 }
 
+/* The arguments `subspace_partial` takes (its callers check it: a build of an earlier source reads other types). */
+int subspace_abi(void) { return 2; }
+
 /* The softmax partial of rows q [bh, rows, dim] over every token, in `chunks` chunks of `per` tokens per (b, h):
  * mx (NEG where every key is masked), sum [bh, chunks, rows], acc [bh, chunks, rows, vrank] (the probabilities times
  * the values' whitened coefficients, unnormalized), work [bh, chunks, rows, per]; `per` a multiple of kgroup.
+ * The key scales and zeros [bh, tokens / kgroup, krank] and the value scales [bh, tokens, vsub] are the codes' fp16.
  * Returns 0, -1 for a shape it does not take, -2 when out of memory. */
 int subspace_partial(const float *q, int bh, int heads, int tokens, int dim, int rows,
                      const uint8_t *kc, int kbytes, const int *kmeta, int ksub, int krank, int kgroup,
-                     const float *kscale, const float *kzero, const float *w, const float *mean,
+                     const half *kscale, const half *kzero, const float *w, const float *mean,
                      const float *cos_t, const float *sin_t, float scale,
                      const uint8_t *vc, int vbytes, const int *vmeta, int vsub, int vrank,
-                     const float *vscale, const float *vmid, const uint8_t *valid,
+                     const half *vscale, const float *vstep, const float *vmid, const uint8_t *valid,
                      int chunks, int per, float *mx, float *sum, float *acc, float *work, int threads) {
     if (dim % 2 || dim > MAXDIM || krank > MAXDIM || vrank > MAXDIM || rows > MAXROWS || kgroup <= 0 ||
         tokens % kgroup)
@@ -420,7 +428,7 @@ int subspace_partial(const float *q, int bh, int heads, int tokens, int dim, int
     if (!wbuf) return -2;
     struct code_plan kplan, vplan;
     plan_codes(kmeta, ksub, kbytes, &kplan), plan_codes(vmeta, vsub, vbytes, &vplan);
-    struct sub_args a = {q, kc, vc, kmeta, vmeta, kscale, kzero, w, mean, cos_t, sin_t, vscale, vmid, valid,
+    struct sub_args a = {q, kc, vc, kmeta, vmeta, kscale, kzero, w, mean, cos_t, sin_t, vscale, vstep, vmid, valid,
                          &kplan, &vplan, heads, tokens, dim, rows, kbytes, vbytes, ksub, vsub, krank, vrank, kgroup,
                          per, scale};
 #pragma omp parallel for collapse(2) schedule(dynamic) num_threads(threads)

@@ -32,6 +32,7 @@ from .segments import SubspaceSegment
 SOURCE = Path(__file__).with_name("native_subspace.c")
 MAX_DIM = 256
 MAX_ROWS = 16  # query rows per KV head the kernel takes (grouped heads x positions)
+ABI = 2  # `subspace_abi()` of the source this module calls (2: fp16 scales and zeros)
 SCALAR_CODES_FLAGS = FLAGS + ("-DHF_KVCACHE_SCALAR_CODES",)  # codes read a subspace at a time (`_compile`)
 
 _build = LibraryBuild()
@@ -50,12 +51,15 @@ def _compile(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> ctypes.CD
     tests and `benchmarks/subspace_codes.py` hold the vector reading to) from `source` (another version of it:
     `benchmarks/subspace_builds.py`)."""
     lib = compile_library(source, flags)
+    if not hasattr(lib, "subspace_abi") or lib.subspace_abi() != ABI:
+        raise RuntimeError(f"{source} is a source of the subspace kernel before fp16 scales (ABI {ABI}): its build "
+                           "would read this module's arguments as other types")
     p, i = ctypes.c_void_p, ctypes.c_int
     lib.subspace_rope_scores.restype = i
     lib.subspace_rope_scores.argtypes = [p, p, p, p, p, p, p, i, i, i, i, i, i, ctypes.c_float, i]
     lib.subspace_partial.restype = i
     lib.subspace_partial.argtypes = [p, i, i, i, i, i, p, i, p, i, i, i, p, p, p, p, p, p, ctypes.c_float,
-                                     p, i, p, i, i, p, p, p, i, i, p, p, p, p, i]
+                                     p, i, p, i, i, p, p, p, p, i, i, p, p, p, p, i]
     return lib
 
 
@@ -155,7 +159,8 @@ def serves(q: torch.Tensor, seg: SubspaceSegment) -> bool:
     b, h, m, d = q.shape
     k, v = seg.keys, seg.values
     return (q.device.type == "cpu" and d % 2 == 0 and d <= MAX_DIM and m <= MAX_ROWS and k.axis == "channel"
-            and v.axis == "token" and k.tokens % k.token_group == 0 and k.rank <= MAX_DIM and v.rank <= MAX_DIM)
+            and v.axis == "token" and k.tokens % k.token_group == 0 and k.rank <= MAX_DIM and v.rank <= MAX_DIM
+            and k.scale.dtype == k.zero.dtype == v.scale.dtype == torch.float16)
 
 
 def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None):
@@ -167,6 +172,35 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     Args:
         key_valid: `[B, T]` bool (False: the key is masked for every row) or None.
     """
+    chunked = launch(q, seg, key_valid)
+    if chunked is None:
+        return None
+    mx, total, acc = chunked
+    b, h, m, _ = q.shape
+    mx = mx.masked_fill_(mx <= 0.5 * NEG, -math.inf)
+    state = functools.reduce(combine, [(mx[:, c], total[:, c], acc[:, c]) for c in range(mx.shape[1])])  # by LSE
+    return state[0].view(b, h, m), state[1].view(b, h, m), state[2].view(b, h, m, seg.values.rank)
+
+
+def step_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None):
+    """`coefficient_partial` as the tiered step's native call takes it: the row max finite (`NEG` where a row sees no
+    key, as the C kernels write it), the three float32 and contiguous; one chunk's outputs as the kernel wrote them
+    (no merge, no copy). None where the kernel does not serve."""
+    chunked = launch(q, seg, key_valid)
+    if chunked is None:
+        return None
+    b, h, m, _ = q.shape
+    mx, total, acc = chunked
+    if mx.shape[1] == 1:
+        return mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, seg.values.rank)
+    mx, total, acc = coefficient_partial(q, seg, key_valid)
+    return mx.masked_fill(torch.isinf(mx), NEG), total.contiguous(), acc.contiguous()
+
+
+def launch(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None):
+    """The kernel's call: per token chunk (row max, `NEG` where a chunk's row sees no key; row sum; the unnormalized
+    output in the values' coefficients), `[B * H, chunks, M]`, `[B * H, chunks, M]`, `[B * H, chunks, M, rank]`; None
+    where the kernel does not serve (`coefficient_partial`'s arguments)."""
     if not serves(q, seg):
         return None
     lib = library()
@@ -183,10 +217,9 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
     if seg.rope is not None:
         cos, sin = _angles(seg.rope, seg.start, t)
     steps, vmid = value_levels(v.bits)
-    vscale = (v.scale.float() * steps).contiguous()
     valid = None if key_valid is None else key_valid.to(torch.uint8).contiguous()
     q, kc, vc = q.float().contiguous(), k.codes.contiguous(), v.codes.contiguous()
-    kscale, kzero = k.scale.float().contiguous(), k.zero.float().contiguous()
+    kscale, kzero, vscale = k.scale.contiguous(), k.zero.contiguous(), v.scale.contiguous()  # fp16, read in C
     kmeta, vmeta = (_layout(x.bounds, x.bits, x.codes.shape[-1]) for x in (k, v))
     mx, total = torch.empty(b * h, chunks, m), torch.empty(b * h, chunks, m)
     acc = torch.empty(b * h, chunks, m, v.rank)
@@ -196,10 +229,8 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
         q.data_ptr(), b * h, h, t, d, m, kc.data_ptr(), kc.shape[-1], kmeta.data_ptr(), len(k.bits), k.rank,
         k.token_group, kscale.data_ptr(), kzero.data_ptr(), w.data_ptr(), mean.data_ptr(), ptr(cos), ptr(sin),
         seg.rope.scaling if seg.rope is not None else 1.0, vc.data_ptr(), vc.shape[-1], vmeta.data_ptr(),
-        len(v.bits), v.rank, vscale.data_ptr(), vmid.data_ptr(), ptr(valid), chunks, per, mx.data_ptr(),
+        len(v.bits), v.rank, vscale.data_ptr(), steps.data_ptr(), vmid.data_ptr(), ptr(valid), chunks, per, mx.data_ptr(),
         total.data_ptr(), acc.data_ptr(), work.data_ptr(), threads)
     if rc:
         raise RuntimeError(f"native subspace kernel failed ({rc}) for head_dim {d}, {m} rows")
-    mx = mx.masked_fill_(mx <= 0.5 * NEG, -math.inf)
-    state = functools.reduce(combine, [(mx[:, c], total[:, c], acc[:, c]) for c in range(chunks)])  # chunks by LSE
-    return state[0].view(b, h, m), state[1].view(b, h, m), state[2].view(b, h, m, v.rank)
+    return mx, total, acc

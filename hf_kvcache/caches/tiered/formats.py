@@ -5,9 +5,10 @@ next archive group will cost (the memory target's sizing)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from ..archive import FORMAT_CLASSES, ArchiveCosts, ArchiveFormat
-from ..tiers import QuantTier, format_of, widths
+from ..tiers import QuantTier, TierSpec, format_of, widths
 
 
 class ArchiveFormatChoice:
@@ -23,11 +24,9 @@ class ArchiveFormatChoice:
     def _archive_format(self, name: str, bits: int, key_bits: int | None = None) -> ArchiveFormat:
         """The layer's `name` format at `bits` bits (keys at `key_bits`; None: the archive spec's key width), kept
         with its fitted state while its spec stays the same."""
-        spec = dataclasses.replace(self.specs["arch"], bits=bits)
-        if key_bits is not None and key_bits != spec.kbits:
-            spec = dataclasses.replace(spec, key_bits=key_bits)
+        spec = _spec_at(self.specs["arch"], bits, key_bits)
         f = self.formats.get(name)
-        if f is None or f.spec != spec:
+        if f is None or (f.spec is not spec and f.spec != spec):
             f = self.formats[name] = FORMAT_CLASSES[name](self, spec)
         return f
 
@@ -75,3 +74,13 @@ class ArchiveFormatChoice:
             else:
                 runs.append((off, min(g, n - off), f))
         return runs
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_at(arch: TierSpec, bits: int, key_bits: int | None) -> TierSpec:
+    """`arch` at `bits` bits, its keys at `key_bits` (None: as `arch` has them), kept: every decode step of every
+    layer asks for the formats of its tiers."""
+    spec = dataclasses.replace(arch, bits=bits)
+    if key_bits is not None and key_bits != spec.kbits:
+        spec = dataclasses.replace(spec, key_bits=key_bits)
+    return spec
