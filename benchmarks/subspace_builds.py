@@ -8,7 +8,9 @@ decode step's partials of a real model.
 The partials are those `benchmarks/subspace_codes.py` keeps (the `tiered` default after a `--tokens` prompt). Each
 source is compiled with the kernel's flags and, in rounds, every build reads them all. Printed per build: the C time
 of a step (minimum and median over the rounds), the median of the per-round ratios current / this, and the largest
-difference of its partials from the current build's relative to the largest entry.
+difference of its partials from the current build's relative to the largest entry. A source from before the kernel
+read fp16 scales (`subspace_abi()` below 2: commits before 5596efc) takes other argument types: its build refuses to
+load.
 """
 
 from __future__ import annotations
