@@ -173,13 +173,7 @@ def coefficient_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.
         key_valid: `[B, T]` bool (False: the key is masked for every row) or None.
     """
     chunked = launch(q, seg, key_valid)
-    if chunked is None:
-        return None
-    mx, total, acc = chunked
-    b, h, m, _ = q.shape
-    mx = mx.masked_fill_(mx <= 0.5 * NEG, -math.inf)
-    state = functools.reduce(combine, [(mx[:, c], total[:, c], acc[:, c]) for c in range(mx.shape[1])])  # by LSE
-    return state[0].view(b, h, m), state[1].view(b, h, m), state[2].view(b, h, m, seg.values.rank)
+    return None if chunked is None else _merged(chunked, q.shape[:3])
 
 
 def step_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None):
@@ -192,9 +186,18 @@ def step_partial(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor 
     b, h, m, _ = q.shape
     mx, total, acc = chunked
     if mx.shape[1] == 1:
-        return mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, seg.values.rank)
-    mx, total, acc = coefficient_partial(q, seg, key_valid)
+        return mx.view(b, h, m), total.view(b, h, m), acc.view(b, h, m, acc.shape[-1])
+    mx, total, acc = _merged(chunked, (b, h, m))
     return mx.masked_fill(torch.isinf(mx), NEG), total.contiguous(), acc.contiguous()
+
+
+def _merged(chunked: tuple[torch.Tensor, torch.Tensor, torch.Tensor], rows: tuple[int, int, int]):
+    """`launch`'s chunks merged by their log-sum-exp (a chunk's row that sees no key at -inf): row max and row sum
+    `[B, H, M]`, output `[B, H, M, rank]` (`rows`: B, H, M)."""
+    mx, total, acc = chunked
+    mx = mx.masked_fill_(mx <= 0.5 * NEG, -math.inf)
+    state = functools.reduce(combine, [(mx[:, c], total[:, c], acc[:, c]) for c in range(mx.shape[1])])
+    return state[0].view(*rows), state[1].view(*rows), state[2].view(*rows, acc.shape[-1])
 
 
 def launch(q: torch.Tensor, seg: SubspaceSegment, key_valid: torch.Tensor | None):
