@@ -62,6 +62,10 @@ def _factor(n: int, device: torch.device) -> torch.Tensor:
     return h
 
 
+# from this many vectors on, `HadamardRotation._transform` takes the outer factor as one matrix product
+_ONE_PRODUCT_ROWS = 64
+
+
 class HadamardRotation:
     """`R = H_n diag(s) / sqrt(n)` held as its signs (int8 `[n]`) and the Sylvester factors `H_a`, `H_b` (float32,
     `a * b = n`; one tensor when `a == b`, shared by every rotation of that size), applied by a Walsh-Hadamard
@@ -89,7 +93,12 @@ class HadamardRotation:
             raise ValueError(f"a rotation of size {self.n} cannot rotate a last dim of {x.shape[-1]}")
         a, b = self.outer.shape[0], self.inner.shape[0]
         y = x.float().reshape(-1, a, b) @ self.inner
-        return torch.matmul(self.outer, y).reshape(x.shape).mul_(self.scale)
+        if y.shape[0] < _ONE_PRODUCT_ROWS:
+            return torch.matmul(self.outer, y).reshape(x.shape).mul_(self.scale)
+        # H_a times every row's [a, b] block as one product `[a, a] @ [a, rows * b]` (torch's broadcast matmul would
+        # run one small product a row): the same sums, the same bits
+        y = (self.outer @ y.transpose(0, 1).reshape(a, -1)).view(a, -1, b).transpose(0, 1)
+        return y.reshape(x.shape).mul_(self.scale)
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ R` (float32)."""

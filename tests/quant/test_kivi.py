@@ -205,6 +205,29 @@ def test_hadamard_transform_is_the_rotation_matrix(n):
     assert hadamard_rotation(n, 1) is hadamard_rotation(n, 1)  # one object per size and seed: counted once
 
 
+@pytest.mark.parametrize("n", [16, 64, 128, 256])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_hadamard_transform_in_one_product_gives_the_per_row_bits(n, threads, monkeypatch):
+    """From `_ONE_PRODUCT_ROWS` vectors on, the outer Sylvester factor is one matrix product over every row instead
+    of torch's one small product a row: the same bits (calibration's round trips and the stored codes must not move)."""
+    from hf_kvcache.quant import rotation as rotation_module
+
+    r = HadamardRotation(n, seed=3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for shape in [(1, 3, 1984, n), (2, 2, 333, n), (3, 70, n)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                x = (torch.randn(*shape) * 3).to(dtype)
+                one = [r.rotate(x), r.unrotate(x)]
+                monkeypatch.setattr(rotation_module, "_ONE_PRODUCT_ROWS", 1 << 62)
+                per_row = [r.rotate(x), r.unrotate(x)]
+                monkeypatch.undo()
+                assert all(torch.equal(a, b) for a, b in zip(one, per_row))
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_hadamard_transform_bad_sizes():
     with pytest.raises(ValueError, match="power-of-two size"):
         HadamardRotation(96)
